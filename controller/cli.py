@@ -1,0 +1,133 @@
+"""`hvd`: the command line. Edges only: parse arguments, open the database, call the library."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DESCRIPTION = """Hybrid Verified Decoding: a learned gate that decides, per decoding step, whether to verify
+the suffix cache's draft or fall back to a model drafter.
+
+Database: --db URL, else $HVD_DATABASE_URL, else sqlite:///var/hvd.db (relative to the working directory)."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hvd", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--db", help="SQLAlchemy database URL (default: $HVD_DATABASE_URL or sqlite:///var/hvd.db)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def traces_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--traces", nargs="+", metavar="PATH",
+                        help="trace files (.jsonl, .jsonl.gz, .jsonl.xz) or folders of them; default: the bundled set")
+        sp.add_argument("--skip-bad", action="store_true", help="skip and count malformed records instead of stopping")
+        sp.add_argument("--test-fraction", type=float, default=0.25, help="share of each source held out (default 0.25)")
+        sp.add_argument("--seed", type=int, default=0, help="seed for the split, training and simulation (default 0)")
+        sp.add_argument("--no-cache", action="store_true", help="replay from scratch instead of reusing var/cache")
+
+    w = sub.add_parser("warmstart", help="replay traces, train the predictor, store it as the champion",
+                       description="Replay the traces through the suffix cache, label every draft with its oracle "
+                                   "accepted length, train the MLP on the training sessions, evaluate it on the held-out "
+                                   "ones and store it as a new predictor version with the `champion` alias.")
+    traces_args(w)
+    w.add_argument("--epochs", type=int, default=6, help="training epochs (default 6)")
+
+    e = sub.add_parser("eval", help="simulate every policy on held-out sessions; print a table, write a JSON report",
+                       description="Decode the held-out sessions under no speculation, suffix-only, model-only, the "
+                                   "ArcticInference rule, HVD (the stored predictor + goodput tau) and an oracle gate. "
+                                   "Model-drafter figures are simulated.")
+    traces_args(e)
+    e.add_argument("--json", type=Path, metavar="OUT", help="write the JSON report here")
+    e.add_argument("--version", type=int, help="predictor version id (default: the champion)")
+    e.add_argument("--drafter", nargs="+", help="model-drafter profiles (default: all in predictor/profiles.toml)")
+    e.add_argument("--cost-profile", default="gpu-8b", help="cost profile for tau and speedup (default gpu-8b)")
+    e.add_argument("--all-sessions", action="store_true",
+                   help="evaluate on every session, e.g. your own traces that the predictor never saw")
+
+    sub.add_parser("versions", help="list stored predictor versions and aliases",
+                   description="One line per predictor version: id, parent, creation time, test metrics; * marks the champion.")
+    sub.add_parser("migrate", help="bring the database schema up to date (every command does this itself)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from storage.engine import make_engine
+    from storage.errors import StorageError
+    from storage.migrate import upgrade
+    from storage.settings import database_url
+
+    try:
+        engine = make_engine(database_url(args.db))
+        upgrade(engine)
+        return _COMMANDS[args.command](args, engine)
+    except (StorageError, ValueError, LookupError, FileNotFoundError) as exc:
+        print(f"hvd {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _dataset(args: argparse.Namespace):
+    from predictor.replay_cache import DEFAULT_CACHE_DIR
+    from predictor.warmstart import build_dataset
+
+    return build_dataset(args.traces, skip_bad=args.skip_bad, test_fraction=args.test_fraction, seed=args.seed,
+                         cache_dir=None if args.no_cache else DEFAULT_CACHE_DIR)
+
+
+def _warmstart(args: argparse.Namespace, engine) -> int:
+    from predictor.training import TrainConfig
+    from predictor.warmstart import warmstart
+
+    if args.epochs < 1:
+        raise ValueError(f"--epochs must be >= 1, got {args.epochs}")
+    warmstart(engine, _dataset(args), TrainConfig(epochs=args.epochs, seed=args.seed))
+    return 0
+
+
+def _eval(args: argparse.Namespace, engine) -> int:
+    from predictor.champion import load_gate
+    from predictor.evaluation import evaluate, format_table
+    from predictor.profiles import cost_profiles, drafter_profiles, pick
+
+    drafters = pick(drafter_profiles(), args.drafter, "drafter")
+    (cost,) = pick(cost_profiles(), [args.cost_profile], "cost")
+    version_id, gate = load_gate(engine, args.version)
+    report = evaluate(_dataset(args), gate, drafters, cost, seed=args.seed, all_traces=args.all_sessions,
+                      version_id=version_id)
+    print(format_table(report))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1))
+        print(f"report written to {args.json}")
+    return 0
+
+
+def _versions(args: argparse.Namespace, engine) -> int:
+    from storage.engine import session_scope
+    from storage.versions import get_alias_version, list_versions
+
+    with session_scope(engine) as session:
+        champion = get_alias_version(session, "champion")
+        versions = list_versions(session)
+        if not versions:
+            print("no predictor versions yet: run `hvd warmstart`")
+        for v in versions:
+            m = (v.metrics or {}).get("test", {}).get("overall", {})
+            mark = "*" if champion is not None and champion.id == v.id else " "
+            print(f"{mark} v{v.id} parent={v.parent_id or '-'} {v.created_at:%Y-%m-%d %H:%M:%S} {v.kind} "
+                  f"precision@6={m.get('precision_ge6', '?')} recall@6={m.get('recall_ge6', '?')} "
+                  f"mae={m.get('mae', '?')} schema={v.feature_schema_hash[:12]} reason={v.reason!r}")
+    return 0
+
+
+def _migrate(args: argparse.Namespace, engine) -> int:
+    from storage.migrate import current_revision
+
+    print(f"database at revision {current_revision(engine)}")
+    return 0
+
+
+_COMMANDS = {"warmstart": _warmstart, "eval": _eval, "versions": _versions, "migrate": _migrate}
+
+if __name__ == "__main__":
+    sys.exit(main())

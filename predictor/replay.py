@@ -1,0 +1,183 @@
+"""Trace replay: rebuild the cache state a serving process would have had, draft at every output
+position, and label every draft with its oracle accepted length.
+
+Scope: one serving process (one global tree) per deployment, i.e. per (producing model, run). The
+bundled sources repeat the same tasks across producing models and runs; letting one model's
+outputs draft for another's would inflate cache acceptance far beyond what any real deployment
+sees. Sessions of a deployment arrive in order, their turns in order, one request at a time.
+
+The cache state, hence every draft and label, depends only on the realised outputs, never on which
+drafts a policy chose to verify; so one dense replay serves every policy the simulator compares.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from predictor.cache_drafter import CacheDrafter, SuffixConfig
+from predictor.features import DraftColumns, dense_history, draft_features
+from predictor.labels import lcp_many
+from predictor.tokens import TraceTokenizer
+from predictor.traces import WORKLOADS, TraceRecord
+
+ProgressFn = Callable[[int, int], None]
+
+
+@dataclass
+class ReplayResult:
+    """Plain arrays: one row per output position t >= 1 of every replayed trace."""
+
+    trace: np.ndarray  # int32: index into `records`
+    position: np.ndarray  # int32: t, the number of output tokens already emitted
+    draft_len: np.ndarray  # int16: k, 0 when the cache had nothing to propose
+    label: np.ndarray  # int16: y, tokens greedy verification accepts
+    score: np.ndarray  # float32: the cache's own score (sum of path probabilities)
+    features: np.ndarray  # float32 (rows x NUM_FEATURES)
+    records: list[TraceRecord] = field(default_factory=list)
+    output_len: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    workload: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int8))  # per trace
+
+    @property
+    def rows(self) -> int:
+        return len(self.position)
+
+    def row_workload(self) -> np.ndarray:
+        return self.workload[self.trace]
+
+    def select_traces(self, keep: np.ndarray) -> "ReplayResult":
+        """Rows of the traces where `keep` (a bool per trace) is set; trace indices are kept."""
+        mask = keep[self.trace]
+        return ReplayResult(
+            trace=self.trace[mask],
+            position=self.position[mask],
+            draft_len=self.draft_len[mask],
+            label=self.label[mask],
+            score=self.score[mask],
+            features=self.features[mask],
+            records=self.records,
+            output_len=self.output_len,
+            workload=self.workload,
+        )
+
+
+def deployments(records: Iterable[TraceRecord]) -> dict[tuple[str, str, str], list[TraceRecord]]:
+    """Records grouped by (source, model, run), each group in arrival order."""
+    groups: dict[tuple[str, str, str], list[TraceRecord]] = {}
+    for record in records:
+        groups.setdefault((record.source, record.model, record.run), []).append(record)
+    return groups
+
+
+def replay(
+    records: Sequence[TraceRecord],
+    tokenizer: TraceTokenizer,
+    config: SuffixConfig | None = None,
+    progress: ProgressFn | None = None,
+) -> ReplayResult:
+    """Replay `records` (in arrival order) and label every output position."""
+    config = config or SuffixConfig()
+    index = {id(r): i for i, r in enumerate(records)}
+    parts: list[_TraceRows] = []
+    output_len = np.zeros(len(records), dtype=np.int32)
+    done = 0
+    for group in deployments(records).values():
+        drafter = CacheDrafter(config)
+        for record in group:
+            i = index[id(record)]
+            rows = _replay_one(drafter, record, i, tokenizer)
+            output_len[i] = rows.output_len
+            parts.append(rows)
+            done += 1
+            if progress is not None:
+                progress(done, len(records))
+        tokenizer.clear_cache()
+    workload = np.array([WORKLOADS.index(r.workload) for r in records], dtype=np.int8)
+    return _concat(parts, list(records), output_len, workload)
+
+
+@dataclass
+class _TraceRows:
+    trace: int
+    output_len: int
+    position: np.ndarray
+    draft_len: np.ndarray
+    label: np.ndarray
+    score: np.ndarray
+    features: np.ndarray
+
+
+def _replay_one(drafter: CacheDrafter, record: TraceRecord, trace: int, tokenizer: TraceTokenizer) -> _TraceRows:
+    prompt = tokenizer.encode_context(record)
+    out = tokenizer.encode_output(record.output)
+    seq = np.concatenate([prompt, out]).astype(np.int32)
+    p, n = len(prompt), len(out)
+    req_id = f"{trace}"
+    drafter.start(req_id, prompt)
+    tokens: list[int] = []
+    probs: list[float] = []
+    lengths = np.zeros(max(n - 1, 0), dtype=np.int64)
+    scores = np.zeros(len(lengths), dtype=np.float32)
+    match = np.zeros(len(lengths), dtype=np.int32)
+    source = np.zeros(len(lengths), dtype=np.int8)
+    for t in range(1, n):
+        drafter.extend(req_id, seq[p + t - 1 : p + t])
+        d = drafter.draft(req_id, seq[: p + t])
+        j = t - 1
+        lengths[j] = d.length
+        if d.length:
+            tokens.extend(d.token_ids)
+            probs.extend(d.probs)
+            scores[j] = d.score
+            match[j] = d.match_len
+            source[j] = d.source
+    if n:
+        drafter.extend(req_id, seq[p + n - 1 : p + n])
+    drafter.stop(req_id)
+
+    positions = np.arange(1, n, dtype=np.int64)
+    flat = np.asarray(tokens, dtype=np.int32)
+    labels = lcp_many(flat, lengths, positions, out)
+    classes = tokenizer.classes
+    depth = np.concatenate(([0], np.cumsum(classes.depth_delta[out].astype(np.int64))))
+    columns = DraftColumns(lengths, flat, np.asarray(probs, dtype=np.float32), scores, match, source)
+    # History is defined over output positions 0..L-1; position 0 (the prefill token) has no draft.
+    dense_labels = np.concatenate(([0], labels))
+    dense_lengths = np.concatenate(([0], lengths))
+    history = dense_history(dense_labels, dense_lengths)
+    history = type(history)(**{k: v[1:] for k, v in vars(history).items()})
+    features = draft_features(
+        columns,
+        positions=positions,
+        context_len=p + positions,
+        nesting=depth[1:n],
+        at_line_start=classes.ends_line[out[: max(n - 1, 0)]],
+        history=history,
+        workload=np.full(len(positions), WORKLOADS.index(record.workload)),
+        classes=classes,
+    )
+    return _TraceRows(trace, n, positions.astype(np.int32), lengths.astype(np.int16),
+                      labels.astype(np.int16), scores, features)
+
+
+def _concat(parts: list[_TraceRows], records: list[TraceRecord], output_len: np.ndarray,
+            workload: np.ndarray) -> ReplayResult:
+    from predictor.features import NUM_FEATURES
+
+    def cat(name: str, dtype: type, empty_shape: tuple[int, ...] = (0,)) -> np.ndarray:
+        arrays = [getattr(p, name) for p in parts]
+        return np.concatenate(arrays).astype(dtype) if arrays else np.zeros(empty_shape, dtype=dtype)
+
+    trace = np.concatenate([np.full(len(p.position), p.trace, dtype=np.int32) for p in parts]) if parts else np.zeros(0, np.int32)
+    return ReplayResult(
+        trace=trace,
+        position=cat("position", np.int32),
+        draft_len=cat("draft_len", np.int16),
+        label=cat("label", np.int16),
+        score=cat("score", np.float32),
+        features=cat("features", np.float32, (0, NUM_FEATURES)),
+        records=records,
+        output_len=output_len,
+        workload=workload,
+    )

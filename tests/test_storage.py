@@ -1,0 +1,318 @@
+"""Storage tests, run against SQLite and a real PostgreSQL.
+
+PostgreSQL is skipped only when HVD_SKIP_POSTGRES=1; otherwise an unreachable
+server fails the test, so CI cannot silently lose half its coverage.
+Each PostgreSQL test gets its own throwaway schema (via search_path).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import uuid
+from collections.abc import Iterator
+from datetime import timezone
+from pathlib import Path
+
+import pytest
+from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Engine, create_engine, inspect, text, update
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import IntegrityError, OperationalError
+
+from storage import CorruptBlobError, StorageError
+from storage.engine import make_engine, session_scope
+from storage.migrate import current_revision, downgrade, head_revision, upgrade
+from storage.models import Alias, Base, PredictorVersion
+from storage.settings import DEFAULT_DATABASE_URL, database_url
+from storage.versions import (
+    create_version,
+    get_alias_version,
+    get_version,
+    list_alias_events,
+    list_versions,
+    set_alias,
+    verify_blob,
+)
+
+PG_URL = os.environ.get(
+    "HVD_TEST_POSTGRES_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
+)
+TABLES = {"predictor_versions", "aliases", "alias_events"}
+SCHEMA_HASH = "a" * 64
+
+
+def _postgres_schema_url() -> Iterator[str]:
+    if os.environ.get("HVD_SKIP_POSTGRES") == "1":
+        pytest.skip("HVD_SKIP_POSTGRES=1")
+    schema = f"hvd_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(PG_URL)
+    try:
+        with admin.begin() as conn:
+            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    except OperationalError as exc:
+        admin.dispose()
+        pytest.fail(
+            f"PostgreSQL test server unreachable at {make_url(PG_URL).render_as_string()}: "
+            f"{exc.orig}. Start it, or set HVD_SKIP_POSTGRES=1 to skip PostgreSQL tests.",
+            pytrace=False,
+        )
+    try:
+        url = make_url(PG_URL).update_query_dict({"options": f"-csearch_path={schema}"})
+        yield url.render_as_string(hide_password=False)
+    finally:
+        with admin.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'hvd.db'}"
+    else:
+        yield from _postgres_schema_url()
+
+
+@pytest.fixture
+def engine(db_url: str) -> Iterator[Engine]:
+    eng = make_engine(db_url)
+    try:
+        yield eng
+    finally:
+        eng.dispose()
+
+
+@pytest.fixture
+def db(engine: Engine) -> Engine:
+    upgrade(engine)
+    return engine
+
+
+def _new_version(session, blob: bytes = b"weights", **overrides) -> PredictorVersion:
+    kwargs = dict(
+        blob=blob,
+        kind="mlp",
+        feature_schema_hash=SCHEMA_HASH,
+        metrics={"val": {"loss": 0.25, "acc": 0.9}},
+        training_summary={"epochs": 3, "lr": 0.001, "history": [1.0, 0.5]},
+        reason="test",
+        created_by="pytest",
+    )
+    kwargs.update(overrides)
+    return create_version(session, **kwargs)
+
+
+# --- migrations ---------------------------------------------------------------
+
+
+def test_upgrade_creates_tables_matching_models(engine: Engine) -> None:
+    assert current_revision(engine) is None
+    upgrade(engine)
+    assert current_revision(engine) == head_revision() == "0001"
+    assert TABLES <= set(inspect(engine).get_table_names())
+    with engine.connect() as conn:
+        ctx = MigrationContext.configure(conn, opts={"compare_type": True})
+        diff = compare_metadata(ctx, Base.metadata)
+    assert diff == []
+
+
+def test_upgrade_is_idempotent(engine: Engine) -> None:
+    upgrade(engine)
+    upgrade(engine)
+    assert current_revision(engine) == "0001"
+
+
+def test_downgrade_to_base_removes_tables(engine: Engine) -> None:
+    upgrade(engine)
+    downgrade(engine, "base")
+    assert current_revision(engine) is None
+    assert not TABLES & set(inspect(engine).get_table_names())
+    upgrade(engine)  # and it can come back
+    assert TABLES <= set(inspect(engine).get_table_names())
+
+
+def test_upgrade_accepts_url(db_url: str) -> None:
+    upgrade(db_url)
+    eng = make_engine(db_url)
+    try:
+        assert current_revision(eng) == "0001"
+    finally:
+        eng.dispose()
+
+
+def test_cli_alembic_ini(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    url = f"sqlite:///{tmp_path / 'cli' / 'hvd.db'}"
+    monkeypatch.setenv("HVD_DATABASE_URL", url)
+    ini = Path(__file__).resolve().parents[1] / "storage" / "alembic.ini"
+    command.upgrade(Config(str(ini)), "head")
+    eng = make_engine(url)
+    try:
+        assert current_revision(eng) == "0001"
+    finally:
+        eng.dispose()
+
+
+# --- versions -----------------------------------------------------------------
+
+
+def test_version_round_trip(db: Engine) -> None:
+    blob = bytes(range(256)) * 64 + b"\x00tail"
+    with session_scope(db) as s:
+        parent = _new_version(s, blob=b"parent")
+        child = _new_version(s, blob=blob, parent_id=parent.id, metrics={"mse": 1.5e-3})
+        parent_id, child_id = parent.id, child.id
+
+    with session_scope(db) as s:
+        got = get_version(s, child_id)
+        assert got.blob == blob
+        assert verify_blob(got) == blob
+        assert got.blob_sha256 == hashlib.sha256(blob).hexdigest()
+        assert got.parent_id == parent_id
+        assert got.kind == "mlp"
+        assert got.feature_schema_hash == SCHEMA_HASH
+        assert got.metrics == {"mse": 1.5e-3}
+        assert got.training_summary == {"epochs": 3, "lr": 0.001, "history": [1.0, 0.5]}
+        assert got.reason == "test" and got.created_by == "pytest"
+        assert got.created_at.tzinfo is not None
+        assert got.created_at.utcoffset() == timezone.utc.utcoffset(None)
+        assert [v.id for v in list_versions(s)] == [parent_id, child_id]
+
+
+def test_alias_move_recorded(db: Engine) -> None:
+    with session_scope(db) as s:
+        v1, v2 = _new_version(s, blob=b"one"), _new_version(s, blob=b"two")
+        assert get_alias_version(s, "champion") is None
+        set_alias(s, "champion", v1.id, reason="first", actor="trainer")
+    with session_scope(db) as s:
+        set_alias(s, "champion", v2.id, reason="better val loss", actor="controller")
+    with session_scope(db) as s:
+        current = get_alias_version(s, "champion")
+        assert current is not None and current.id == v2.id
+        events = [
+            (e.alias_name, e.from_version_id, e.to_version_id, e.reason, e.actor)
+            for e in list_alias_events(s, "champion")
+        ]
+        assert events == [
+            ("champion", None, v1.id, "first", "trainer"),
+            ("champion", v1.id, v2.id, "better val loss", "controller"),
+        ]
+        assert all(e.at.tzinfo is not None for e in list_alias_events(s))
+        assert s.get(Alias, "champion").version_id == v2.id
+
+
+def test_set_alias_unknown_version(db: Engine) -> None:
+    with pytest.raises(StorageError, match=r"unknown predictor version id 4242"):
+        with session_scope(db) as s:
+            set_alias(s, "champion", 4242, reason="x", actor="y")
+    with session_scope(db) as s:
+        assert get_alias_version(s, "champion") is None
+        assert list_alias_events(s) == []
+
+
+def test_get_version_unknown_id(db: Engine) -> None:
+    with session_scope(db) as s:
+        with pytest.raises(StorageError) as info:
+            get_version(s, 999)
+    assert str(info.value) == "unknown predictor version id 999"
+
+
+def test_unknown_parent_rejected(db: Engine) -> None:
+    with session_scope(db) as s:
+        with pytest.raises(StorageError, match="unknown predictor version id 77"):
+            _new_version(s, parent_id=77)
+
+
+def test_corrupt_blob_detected(db: Engine) -> None:
+    with session_scope(db) as s:
+        vid = _new_version(s, blob=b"good bytes").id
+    with session_scope(db) as s:
+        s.execute(update(PredictorVersion).where(PredictorVersion.id == vid).values(blob=b"bad bytes"))
+    with session_scope(db) as s:
+        version = get_version(s, vid)
+        with pytest.raises(CorruptBlobError) as info:
+            verify_blob(version)
+    assert isinstance(info.value, StorageError)
+    assert info.value.version_id == vid
+    assert f"predictor version {vid}" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "path"),
+    [
+        ("metrics", {"val": {"loss": math.nan}}, "metrics.val.loss"),
+        ("metrics", {"mse": math.inf}, "metrics.mse"),
+        ("training_summary", {"history": [0.1, -math.inf]}, "training_summary.history[1]"),
+    ],
+)
+def test_non_finite_json_rejected(db: Engine, field: str, value: dict, path: str) -> None:
+    with session_scope(db) as s:
+        with pytest.raises(StorageError, match=r"NaN/Infinity") as info:
+            _new_version(s, **{field: value})
+        assert path in str(info.value)
+        assert list_versions(s) == []
+
+
+def test_non_plain_json_rejected(db: Engine) -> None:
+    with session_scope(db) as s:
+        with pytest.raises(StorageError, match=r"metrics\.shape has type tuple"):
+            _new_version(s, metrics={"shape": (1, 2)})
+        with pytest.raises(StorageError, match=r"non-string key 3"):
+            _new_version(s, metrics={3: 1.0})
+
+
+def test_foreign_keys_enforced(db: Engine) -> None:
+    with pytest.raises(IntegrityError):
+        with session_scope(db) as s:
+            s.add(Alias(name="ghost", version_id=12345))
+
+
+# --- engine / settings --------------------------------------------------------
+
+
+def test_unreachable_postgres_masks_password() -> None:
+    url = "postgresql+psycopg2://hvd:s3cretpw@127.0.0.1:1/nope"
+    with pytest.raises(StorageError) as info:
+        make_engine(url)
+    msg = str(info.value)
+    assert "s3cretpw" not in msg
+    assert "postgresql+psycopg2://hvd:***@127.0.0.1:1/nope" in msg
+    assert msg.startswith("cannot reach database")
+
+
+def test_unreachable_sqlite(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'missing-dir' / 'hvd.db'}"
+    with pytest.raises(StorageError, match="cannot reach database sqlite:///.*missing-dir"):
+        make_engine(url)
+
+
+def test_sqlite_pragmas(tmp_path: Path) -> None:
+    eng = make_engine(f"sqlite:///{tmp_path / 'p.db'}")
+    try:
+        with eng.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+            assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 5000
+    finally:
+        eng.dispose()
+
+
+def test_database_url_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HVD_DATABASE_URL", raising=False)
+    assert database_url() == DEFAULT_DATABASE_URL == "sqlite:///var/hvd.db"
+    assert (tmp_path / "var").is_dir()
+
+    env_url = f"sqlite:///{tmp_path / 'env' / 'e.db'}"
+    monkeypatch.setenv("HVD_DATABASE_URL", env_url)
+    assert database_url() == env_url
+    assert (tmp_path / "env").is_dir()
+
+    explicit = f"sqlite:///{tmp_path / 'x' / 'y' / 'z.db'}"
+    assert database_url(explicit) == explicit
+    assert (tmp_path / "x" / "y").is_dir()
+    assert database_url(PG_URL) == PG_URL

