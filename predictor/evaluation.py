@@ -60,7 +60,7 @@ def evaluate(data: Dataset, gate: GatePredictor, drafters: Sequence[DrafterProfi
 
 def _aggregate(tallies: dict[int, Tally], trace_workload: np.ndarray, cost: CostProfile) -> dict:
     baseline = cost.target_ms(1)  # no speculation: one single-token forward per token
-    overall, per: Tally = Tally(), {}
+    overall, per = Tally(), {}
     for trace, tally in tallies.items():
         overall.add(tally)
         per.setdefault(WORKLOADS[trace_workload[trace]], Tally()).add(tally)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from safetensors import SafetensorsError
+from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
@@ -91,7 +91,7 @@ class GatePredictor:
         try:
             tensors = st_load(blob)
             meta = _metadata(blob)
-        except (SafetensorsError, ValueError, json.JSONDecodeError) as exc:
+        except (SafetensorError, ValueError, json.JSONDecodeError) as exc:
             raise BlobError(f"predictor blob is not a readable safetensors file: {exc}") from exc
         if meta.get("format") != BLOB_FORMAT:
             raise BlobError(f"predictor blob has format {meta.get('format')!r}, expected {BLOB_FORMAT!r}")

@@ -64,7 +64,7 @@ def train_mlp(features: np.ndarray, labels: np.ndarray, workload: np.ndarray, co
             loss.backward()
             opt.step()
             sched.step()
-            total += float(loss) * len(idx)
+            total += loss.item() * len(idx)
         if progress is not None:
             progress(epoch + 1, total / len(x))
     model.eval()
