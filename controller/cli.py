@@ -30,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
                                    "accepted length, train the MLP on the training sessions, evaluate it on the held-out "
                                    "ones and store it as a new predictor version with the `champion` alias.")
     traces_args(w)
-    w.add_argument("--epochs", type=int, default=6, help="training epochs (default 6)")
+    w.add_argument("--epochs", type=int, default=12, help="training epochs (default 12)")
 
     e = sub.add_parser("eval", help="simulate every policy on held-out sessions; print a table, write a JSON report",
                        description="Decode the held-out sessions under no speculation, suffix-only, model-only, the "

@@ -15,6 +15,8 @@ import numpy as np
 from arctic_inference.suffix_decoding import SuffixDecodingCache
 from arctic_inference.suffix_decoding._C import SuffixTree
 
+from predictor.labels import lcp
+
 SOURCE_NONE = 0
 SOURCE_PROMPT = 1
 SOURCE_GLOBAL = 2
@@ -51,6 +53,10 @@ class CacheDraft:
     score: float = 0.0
     match_len: int = 0
     source: int = SOURCE_NONE
+    # The tree that lost: its score, length, and how many leading tokens both trees agree on.
+    other_score: float = 0.0
+    other_len: int = 0
+    trees_agree: int = 0
 
     @property
     def length(self) -> int:
@@ -94,11 +100,16 @@ class CacheDrafter:
         args = (limit, cfg.max_spec_factor, 0.0, cfg.min_token_prob, False)
         d_prompt = SuffixTree.speculate_ndarray(local, pattern, *args)
         d_global = SuffixTree.speculate_ndarray(self._cache._global_tree, pattern, *args)
-        best, source = (d_prompt, SOURCE_PROMPT) if d_prompt.score >= d_global.score else (d_global, SOURCE_GLOBAL)
+        if d_prompt.score >= d_global.score:
+            best, other, source = d_prompt, d_global, SOURCE_PROMPT
+        else:
+            best, other, source = d_global, d_prompt, SOURCE_GLOBAL
         token_ids = list(best.token_ids)
         if not token_ids:
             return CacheDraft(match_len=int(best.match_len))
-        return CacheDraft(token_ids, list(best.probs), float(best.score), int(best.match_len), source)
+        other_ids = list(other.token_ids)
+        return CacheDraft(token_ids, list(best.probs), float(best.score), int(best.match_len), source,
+                          float(other.score), len(other_ids), lcp(token_ids, other_ids))
 
 
 def _as_int32(tokens: np.ndarray | Sequence[int]) -> np.ndarray:

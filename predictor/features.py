@@ -15,7 +15,7 @@ from predictor.cache_drafter import SOURCE_GLOBAL, SOURCE_PROMPT
 from predictor.tokens import BRACKET, DIGIT, NEWLINE, QUOTE, TokenClasses
 from predictor.traces import WORKLOADS
 
-FEATURE_SCHEMA_VERSION = 1
+FEATURE_SCHEMA_VERSION = 2
 MAX_NESTING = 8
 
 FEATURE_NAMES: tuple[str, ...] = (
@@ -43,6 +43,15 @@ FEATURE_NAMES: tuple[str, ...] = (
     "last_label",
     "mean_label",
     "log_n_resolved",
+    "other_tree_score",
+    "other_tree_len",
+    "trees_agree",
+    "continues_prev",
+    "agree_2",
+    "agree_4",
+    "log_hit_streak",
+    "first_token_newline",
+    "first_token_bracket_quote",
 ) + tuple(f"workload_{w}" for w in WORKLOADS)
 NUM_FEATURES = len(FEATURE_NAMES)
 _COL = {name: i for i, name in enumerate(FEATURE_NAMES)}
@@ -64,6 +73,10 @@ class DraftColumns:
     score: np.ndarray
     match_len: np.ndarray
     source: np.ndarray  # SOURCE_* per draft
+    other_score: np.ndarray  # the losing tree's score
+    other_len: np.ndarray
+    trees_agree: np.ndarray  # leading tokens both trees propose alike
+    continues_prev: np.ndarray  # leading tokens equal to the previous draft's not-yet-realised tail
 
 
 @dataclass
@@ -76,6 +89,9 @@ class HistoryColumns:
     last_label: np.ndarray
     mean_label: np.ndarray
     n_resolved: np.ndarray
+    agree_2: np.ndarray  # agreement of the draft made 2 positions back with what was realised since
+    agree_4: np.ndarray
+    hit_streak: np.ndarray  # consecutive latest drafts whose first token was right
 
 
 def draft_features(
@@ -110,6 +126,9 @@ def draft_features(
         x[has, _COL["draft_has_bracket"]] = (flags & BRACKET) > 0
         x[has, _COL["draft_has_quote"]] = (flags & QUOTE) > 0
         x[has, _COL["draft_has_digit"]] = (flags & DIGIT) > 0
+        first = classes.flags[drafts.tokens[offsets]]
+        x[has, _COL["first_token_newline"]] = (first & NEWLINE) > 0
+        x[has, _COL["first_token_bracket_quote"]] = (first & (BRACKET | QUOTE)) > 0
     x[:, _COL["source_prompt"]] = drafts.source == SOURCE_PROMPT
     x[:, _COL["source_global"]] = drafts.source == SOURCE_GLOBAL
     x[:, _COL["log_position"]] = np.log1p(positions)
@@ -122,6 +141,13 @@ def draft_features(
     x[:, _COL["last_label"]] = history.last_label
     x[:, _COL["mean_label"]] = history.mean_label
     x[:, _COL["log_n_resolved"]] = np.log1p(history.n_resolved)
+    x[:, _COL["other_tree_score"]] = drafts.other_score
+    x[:, _COL["other_tree_len"]] = drafts.other_len
+    x[:, _COL["trees_agree"]] = np.divide(drafts.trees_agree, lengths, out=np.zeros(n), where=has)
+    x[:, _COL["continues_prev"]] = np.divide(drafts.continues_prev, lengths, out=np.zeros(n), where=has)
+    x[:, _COL["agree_2"]] = history.agree_2
+    x[:, _COL["agree_4"]] = history.agree_4
+    x[:, _COL["log_hit_streak"]] = np.log1p(history.hit_streak)
     first_workload = _COL[f"workload_{WORKLOADS[0]}"]
     x[np.arange(n), first_workload + np.asarray(workload, dtype=np.int64)] = 1.0
     return x
@@ -152,6 +178,16 @@ def dense_history(labels: np.ndarray, lengths: np.ndarray) -> HistoryColumns:
     last_pos = np.full(n, -1)
     np.maximum.at(last_pos, done[in_range], pos[in_range])
     last_pos = np.maximum.accumulate(last_pos)
+
+    def agree(j: int) -> np.ndarray:
+        s = pos - j
+        ok = s >= 0
+        s = np.maximum(s, 0)
+        seen_j = np.minimum(lengths[s], j)
+        return np.where(ok & (lengths[s] > 0), np.minimum(labels[s], j) / np.maximum(seen_j, 1), 0.0)
+
+    miss = np.maximum.accumulate(np.where((labels >= 1) & has, -1, pos))
+    streak = np.concatenate(([0], (pos[:-1] - miss[:-1])))
     return HistoryColumns(
         prev_agree=prev_agree,
         prev_gap=gap,
@@ -159,4 +195,7 @@ def dense_history(labels: np.ndarray, lengths: np.ndarray) -> HistoryColumns:
         last_label=np.where(last_pos >= 0, labels[np.maximum(last_pos, 0)], 0),
         mean_label=np.divide(total, count, out=np.zeros(n), where=count > 0),
         n_resolved=count,
+        agree_2=agree(2),
+        agree_4=agree(4),
+        hit_streak=streak,
     )

@@ -26,7 +26,7 @@ class BlobError(ValueError):
 class MLP(torch.nn.Module):
     """Standardise, then ReLU layers; the output is clamped at 0 by the caller, not trained on."""
 
-    def __init__(self, num_features: int, hidden: tuple[int, ...] = (64, 32)) -> None:
+    def __init__(self, num_features: int, hidden: tuple[int, ...] = (128, 64, 32)) -> None:
         super().__init__()
         self.register_buffer("mean", torch.zeros(num_features))
         self.register_buffer("scale", torch.ones(num_features))

@@ -18,7 +18,7 @@ import numpy as np
 
 from predictor.cache_drafter import CacheDrafter, SuffixConfig
 from predictor.features import DraftColumns, dense_history, draft_features
-from predictor.labels import lcp_many
+from predictor.labels import lcp, lcp_many
 from predictor.tokens import TraceTokenizer
 from predictor.traces import WORKLOADS, TraceRecord
 
@@ -121,6 +121,8 @@ def _replay_one(drafter: CacheDrafter, record: TraceRecord, trace: int, tokenize
     scores = np.zeros(len(lengths), dtype=np.float32)
     match = np.zeros(len(lengths), dtype=np.int32)
     source = np.zeros(len(lengths), dtype=np.int8)
+    other = np.zeros((len(lengths), 4), dtype=np.float32)  # other_score, other_len, trees_agree, continues_prev
+    prev: list[int] = []
     for t in range(1, n):
         drafter.extend(req_id, seq[p + t - 1 : p + t])
         d = drafter.draft(req_id, seq[: p + t])
@@ -132,6 +134,8 @@ def _replay_one(drafter: CacheDrafter, record: TraceRecord, trace: int, tokenize
             scores[j] = d.score
             match[j] = d.match_len
             source[j] = d.source
+            other[j] = (d.other_score, d.other_len, d.trees_agree, lcp(prev[1:], d.token_ids))
+        prev = d.token_ids
     if n:
         drafter.extend(req_id, seq[p + n - 1 : p + n])
     drafter.stop(req_id)
@@ -141,7 +145,8 @@ def _replay_one(drafter: CacheDrafter, record: TraceRecord, trace: int, tokenize
     labels = lcp_many(flat, lengths, positions, out)
     classes = tokenizer.classes
     depth = np.concatenate(([0], np.cumsum(classes.depth_delta[out].astype(np.int64))))
-    columns = DraftColumns(lengths, flat, np.asarray(probs, dtype=np.float32), scores, match, source)
+    columns = DraftColumns(lengths, flat, np.asarray(probs, dtype=np.float32), scores, match, source,
+                           other[:, 0], other[:, 1], other[:, 2], other[:, 3])
     # History is defined over output positions 0..L-1; position 0 (the prefill token) has no draft.
     dense_labels = np.concatenate(([0], labels))
     dense_lengths = np.concatenate(([0], lengths))

@@ -12,10 +12,10 @@ from predictor.mlp import MLP
 
 @dataclass(frozen=True)
 class TrainConfig:
-    hidden: tuple[int, ...] = (64, 32)
-    epochs: int = 6
+    hidden: tuple[int, ...] = (128, 64, 32)
+    epochs: int = 12
     batch_size: int = 2048
-    learning_rate: float = 2e-3
+    learning_rate: float = 3e-3
     weight_decay: float = 1e-5
     seed: int = 0
     # Rows of a workload are weighted by (share of the largest workload / own share) ** balance,
