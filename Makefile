@@ -7,6 +7,8 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.hvd-installed
 TOKENIZER := var/models/smollm2-tokenizer/tokenizer.json
 DB ?= sqlite:///var/hvd.db
+# Extra arguments for the hvd subcommand, e.g. make warmstart ARGS="--traces my.jsonl --epochs 2"
+ARGS ?=
 HVD := $(VENV)/bin/hvd
 
 .PHONY: setup run warmstart eval test bench traces clean-venv
@@ -37,13 +39,13 @@ run: setup
 	$(HVD) --db $(DB) eval --json var/eval.json
 
 warmstart: setup
-	$(HVD) --db $(DB) warmstart
+	$(HVD) --db $(DB) warmstart $(ARGS)
 
 eval: setup
-	$(HVD) --db $(DB) eval --json var/eval.json
+	$(HVD) --db $(DB) eval --json var/eval.json $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(ARGS)
 
 bench: setup
 	$(PY) bench/run.py

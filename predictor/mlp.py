@@ -53,6 +53,15 @@ class GatePredictor:
     biases: list[np.ndarray]
     schema_hash: str
 
+    def __post_init__(self) -> None:
+        # Fold the scaler into the first layer: two fewer array operations per call, which is
+        # most of the cost at batch 1.
+        w0 = self.weights[0] / self.scale[:, None]
+        b0 = self.biases[0] - (self.mean / self.scale) @ self.weights[0]
+        self._layers = [(w0.astype(np.float32), b0.astype(np.float32))] + [
+            (w, b) for w, b in zip(self.weights[1:], self.biases[1:])
+        ]
+
     @classmethod
     def from_torch(cls, model: MLP, schema_hash: str) -> "GatePredictor":
         linears = [m for m in model.net if isinstance(m, torch.nn.Linear)]
@@ -70,10 +79,11 @@ class GatePredictor:
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         """Predicted accepted length per row (float32, >= 0)."""
-        h = (np.asarray(x, dtype=np.float32) - self.mean) / self.scale
-        last = len(self.weights) - 1
-        for i, (w, b) in enumerate(zip(self.weights, self.biases)):
-            h = h @ w + b
+        h = np.asarray(x, dtype=np.float32)
+        last = len(self._layers) - 1
+        for i, (w, b) in enumerate(self._layers):
+            h = h @ w
+            h += b
             if i < last:
                 np.maximum(h, 0.0, out=h)
         return np.maximum(h[:, 0], 0.0)
