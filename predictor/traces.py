@@ -91,19 +91,36 @@ def _turn(obj: dict[str, Any], where: str) -> int:
     return value
 
 
+_MESSAGE_KEYS = {"role", "content", "name", "tool_calls", "tool_call_id"}
+
+
 def _message(item: object, where: str, index: int) -> Message:
+    """An OpenAI-style chat message. `name` and `tool_call_id` are accepted and ignored; `tool_calls`
+    are rendered as one JSON line {"name", "arguments"} per call after the content, which is how
+    the bundled agent traces show them to later turns."""
     name = f"context[{index}]"
     if not isinstance(item, dict):
         raise _fail(where, name, f"must be an object with 'role' and 'content', got {type(item).__name__}")
-    extra = sorted(set(item) - {"role", "content"})
+    extra = sorted(set(item) - _MESSAGE_KEYS)
     if extra:
-        raise _fail(where, f"{name}.{extra[0]}", "unknown key (messages have only 'role' and 'content')")
+        raise _fail(where, f"{name}.{extra[0]}", f"unknown key (allowed: {', '.join(sorted(_MESSAGE_KEYS))})")
     role, content = item.get("role"), item.get("content")
     if role not in ROLES:
         raise _fail(where, f"{name}.role", f"{role!r} is not one of {', '.join(ROLES)}")
+    calls = item.get("tool_calls") or []
+    if content is None and calls:
+        content = ""
     if not isinstance(content, str):
         raise _fail(where, f"{name}.content", f"must be a string, got {type(content).__name__}")
-    return Message(role, content)
+    if not isinstance(calls, list):
+        raise _fail(where, f"{name}.tool_calls", f"must be a list, got {type(calls).__name__}")
+    lines = [content] if content else []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _fail(where, f"{name}.tool_calls[{j}]", "must be {'function': {'name': str, 'arguments': ...}}")
+        lines.append(json.dumps({"name": fn["name"], "arguments": fn.get("arguments", "")}, ensure_ascii=False))
+    return Message(role, "\n".join(lines))
 
 
 def _context(obj: dict[str, Any], where: str) -> tuple[Message, ...] | str:

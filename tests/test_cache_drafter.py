@@ -1,14 +1,18 @@
-"""The suffix-cache drafter over a real arctic-inference SuffixDecodingCache."""
+"""The suffix-cache drafter over a real arctic-inference SuffixDecodingCache, and trace replay."""
 from __future__ import annotations
 
 import json
 import lzma
+from dataclasses import replace as _replace
 
 import numpy as np
 import pytest
 from arctic_inference.suffix_decoding import SuffixDecodingCache
 
 from predictor.cache_drafter import SOURCE_GLOBAL, SOURCE_NONE, SOURCE_PROMPT, CacheDrafter, SuffixConfig
+from predictor.features import NUM_FEATURES
+from predictor.labels import lcp
+from predictor.replay import replay
 from predictor.tokens import TraceTokenizer
 from predictor.traces import bundled_traces_path, parse_record
 
@@ -178,13 +182,6 @@ def test_max_spec_tokens_caps_the_draft(tokenised):
 
 
 # ---------------------------------------------------------------- replay
-
-
-from dataclasses import replace as _replace  # noqa: E402
-
-from predictor.features import NUM_FEATURES  # noqa: E402
-from predictor.labels import lcp  # noqa: E402
-from predictor.replay import replay  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -86,7 +86,9 @@ BAD_CASES = [
     ({**GOOD_MSGS, "context": 3}, "field 'context': must be a string or a list"),
     ({**GOOD_MSGS, "context": [{"role": "robot", "content": "x"}]}, "field 'context[0].role'"),
     ({**GOOD_MSGS, "context": [{"role": "user", "content": 1}]}, "field 'context[0].content'"),
-    ({**GOOD_MSGS, "context": [{"role": "user", "content": "x", "name": "n"}]}, "field 'context[0].name'"),
+    ({**GOOD_MSGS, "context": [{"role": "user", "content": "x", "nmae": "n"}]}, "field 'context[0].nmae'"),
+    ({**GOOD_MSGS, "context": [{"role": "assistant", "content": None, "tool_calls": [{"id": 1}]}]},
+     "field 'context[0].tool_calls[0]'"),
     ({**GOOD_MSGS, "context": ["hi"]}, "field 'context[0]'"),
     ({**GOOD_MSGS, "ouput": "typo"}, "field 'ouput': unknown field"),
     ([1, 2], "record must be a JSON object"),
@@ -259,3 +261,18 @@ def test_bundled_traces_cover_every_workload_and_source() -> None:
     }
     assert all(n > 0 for n in per_source.values())
     assert all(r.trace_id == f"{r.session_id}/t{r.turn}" for r in recs)
+
+
+def test_openai_tool_calls_are_rendered_as_json_lines(tmp_path):
+    record = {**GOOD_MSGS, "context": [
+        {"role": "user", "content": "weather?", "name": "alice"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get", "arguments": "{\"q\": 1}"}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+    ]}
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    (rec,), _ = load_traces([path])
+    assert rec.context[0] == Message("user", "weather?")
+    assert rec.context[1] == Message("assistant", '{"name": "get", "arguments": "{\\"q\\": 1}"}')
+    assert rec.context[2] == Message("tool", "sunny")
