@@ -110,8 +110,15 @@ class GatePredictor:
                 f"predictor blob was trained on feature schema {str(meta.get('schema_hash'))[:12]}, "
                 f"this code computes schema {expected_schema_hash[:12]}: retrain (make warmstart)"
             )
+        if "layers" not in meta:
+            raise BlobError("predictor blob lacks tensor or field 'layers'")
         try:
             layers = int(meta["layers"])
+        except ValueError as exc:
+            raise BlobError(f"predictor blob metadata 'layers' is not an integer: {meta.get('layers')!r}") from exc
+        if layers < 1:
+            raise BlobError(f"predictor blob declares {layers} layers; at least 1 is needed")
+        try:
             weights = [tensors[f"w{i}"].astype(np.float32) for i in range(layers)]
             biases = [tensors[f"b{i}"].astype(np.float32) for i in range(layers)]
             mean, scale = tensors["mean"].astype(np.float32), tensors["scale"].astype(np.float32)
@@ -124,6 +131,10 @@ class GatePredictor:
             width = w.shape[1]
         if width != 1 or scale.shape != mean.shape:
             raise BlobError("predictor blob does not end in one output or its scaler is malformed")
+        if not (np.all(np.isfinite(scale)) and np.all(scale > 0)):
+            raise BlobError("predictor blob scaler has a zero, negative or non-finite scale")
+        if not all(np.all(np.isfinite(a)) for a in [mean, *weights, *biases]):
+            raise BlobError("predictor blob holds non-finite weights")
         return cls(mean, scale, weights, biases, str(meta["schema_hash"]))
 
 

@@ -130,3 +130,35 @@ def test_header_length_out_of_range():
     bad = (10**6).to_bytes(8, "little") + json.dumps({"__metadata__": {}}).encode()
     with pytest.raises(BlobError, match="not a readable safetensors file"):
         GatePredictor.from_bytes(bad)
+
+
+# ---------------------------------------------------------------- malformed headers
+
+
+def _one_layer(width: int, scale: float = 1.0) -> dict:
+    return {"mean": np.zeros(width, np.float32), "scale": np.full(width, scale, np.float32),
+            "w0": np.ones((width, 1), np.float32), "b0": np.zeros(1, np.float32)}
+
+
+def test_non_integer_layer_count_is_a_blob_error():
+    with pytest.raises(BlobError, match="layers"):
+        GatePredictor.from_bytes(_blob_with(_one_layer(3), layers="one"))
+
+
+def test_zero_layers_is_a_blob_error():
+    tensors = {"mean": np.zeros(1, np.float32), "scale": np.ones(1, np.float32)}
+    with pytest.raises(BlobError):
+        GatePredictor.from_bytes(_blob_with(tensors, layers="0"))
+
+
+def test_non_finite_weights_are_a_blob_error():
+    tensors = _one_layer(3)
+    tensors["w0"][1, 0] = np.nan
+    with pytest.raises(BlobError, match="non-finite"):
+        GatePredictor.from_bytes(_blob_with(tensors, layers="1"))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_zero_scale_is_a_blob_error():
+    with pytest.raises(BlobError, match="scale"):
+        GatePredictor.from_bytes(_blob_with(_one_layer(3, scale=0.0), layers="1"))

