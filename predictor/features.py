@@ -15,7 +15,7 @@ from predictor.cache_drafter import SOURCE_GLOBAL, SOURCE_PROMPT
 from predictor.tokens import BRACKET, DIGIT, NEWLINE, QUOTE, TokenClasses
 from predictor.traces import WORKLOADS
 
-FEATURE_SCHEMA_VERSION = 2
+FEATURE_SCHEMA_VERSION = 3
 MAX_NESTING = 8
 
 FEATURE_NAMES: tuple[str, ...] = (
@@ -76,7 +76,7 @@ class DraftColumns:
     other_score: np.ndarray  # the losing tree's score
     other_len: np.ndarray
     trees_agree: np.ndarray  # leading tokens both trees propose alike
-    continues_prev: np.ndarray  # leading tokens equal to the previous draft's not-yet-realised tail
+    continues_prev: np.ndarray  # leading tokens equal to the latest earlier draft's not-yet-realised tail
 
 
 @dataclass

@@ -122,7 +122,8 @@ def _replay_one(drafter: CacheDrafter, record: TraceRecord, trace: int, tokenize
     match = np.zeros(len(lengths), dtype=np.int32)
     source = np.zeros(len(lengths), dtype=np.int8)
     other = np.zeros((len(lengths), 4), dtype=np.float32)  # other_score, other_len, trees_agree, continues_prev
-    prev: list[int] = []
+    prev: list[int] = []  # the latest non-empty draft, made at prev_pos
+    prev_pos = 0
     for t in range(1, n):
         drafter.extend(req_id, seq[p + t - 1 : p + t])
         d = drafter.draft(req_id, seq[: p + t])
@@ -134,8 +135,8 @@ def _replay_one(drafter: CacheDrafter, record: TraceRecord, trace: int, tokenize
             scores[j] = d.score
             match[j] = d.match_len
             source[j] = d.source
-            other[j] = (d.other_score, d.other_len, d.trees_agree, lcp(prev[1:], d.token_ids))
-        prev = d.token_ids
+            other[j] = (d.other_score, d.other_len, d.trees_agree, lcp(prev[t - prev_pos :], d.token_ids))
+            prev, prev_pos = d.token_ids, t
     if n:
         drafter.extend(req_id, seq[p + n - 1 : p + n])
     drafter.stop(req_id)

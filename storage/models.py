@@ -8,6 +8,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     DateTime,
+    Float,
     ForeignKey,
     Integer,
     LargeBinary,
@@ -116,3 +117,25 @@ class AliasEvent(Base):
     at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, default=utcnow)
     reason: Mapped[str] = mapped_column(Text, nullable=False)
     actor: Mapped[str] = mapped_column(String(128), nullable=False)
+
+
+class DecisionEvent(Base):
+    """One labelled draft: what the gate knew and decided, and what verification (or hindsight)
+    showed. The learner trains on these; statistics aggregate them."""
+
+    __tablename__ = "decision_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, index=True)
+    tenant: Mapped[str] = mapped_column(String(128), nullable=False)
+    workload: Mapped[str] = mapped_column(String(32), nullable=False)
+    request_id: Mapped[str] = mapped_column(String(128), nullable=False)
+    position: Mapped[int] = mapped_column(Integer, nullable=False)
+    drafter: Mapped[str] = mapped_column(String(16), nullable=False)  # whose draft is labelled: cache | model
+    decision: Mapped[str] = mapped_column(String(16), nullable=False)  # what was verified: cache | model | none
+    draft_len: Mapped[int] = mapped_column(Integer, nullable=False)
+    accepted: Mapped[int] = mapped_column(Integer, nullable=False)
+    predicted: Mapped[float | None] = mapped_column(Float, nullable=True)
+    tau: Mapped[float | None] = mapped_column(Float, nullable=True)
+    predictor_version_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    features: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)  # float32 row

@@ -42,7 +42,7 @@ from storage.versions import (
 PG_URL = os.environ.get(
     "HVD_TEST_POSTGRES_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
 )
-TABLES = {"predictor_versions", "aliases", "alias_events"}
+TABLES = {"predictor_versions", "aliases", "alias_events", "decision_events"}
 SCHEMA_HASH = "a" * 64
 
 
@@ -113,7 +113,7 @@ def _new_version(session, blob: bytes = b"weights", **overrides) -> PredictorVer
 def test_upgrade_creates_tables_matching_models(engine: Engine) -> None:
     assert current_revision(engine) is None
     upgrade(engine)
-    assert current_revision(engine) == head_revision() == "0001"
+    assert current_revision(engine) == head_revision() == "0002"
     assert TABLES <= set(inspect(engine).get_table_names())
     with engine.connect() as conn:
         ctx = MigrationContext.configure(conn, opts={"compare_type": True})
@@ -124,7 +124,7 @@ def test_upgrade_creates_tables_matching_models(engine: Engine) -> None:
 def test_upgrade_is_idempotent(engine: Engine) -> None:
     upgrade(engine)
     upgrade(engine)
-    assert current_revision(engine) == "0001"
+    assert current_revision(engine) == "0002"
 
 
 def test_downgrade_to_base_removes_tables(engine: Engine) -> None:
@@ -140,7 +140,7 @@ def test_upgrade_accepts_url(db_url: str) -> None:
     upgrade(db_url)
     eng = make_engine(db_url)
     try:
-        assert current_revision(eng) == "0001"
+        assert current_revision(eng) == "0002"
     finally:
         eng.dispose()
 
@@ -152,7 +152,7 @@ def test_cli_alembic_ini(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     command.upgrade(Config(str(ini)), "head")
     eng = make_engine(url)
     try:
-        assert current_revision(eng) == "0001"
+        assert current_revision(eng) == "0002"
     finally:
         eng.dispose()
 

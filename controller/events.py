@@ -1,0 +1,83 @@
+"""Labelled events and the bounded queue that carries them off the decode path.
+
+The decode path must never wait for storage or learning: `put` never blocks; when the queue is
+full the event is dropped and counted, and the count is itself reported (it is a health figure).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+
+DRAFTER_CACHE, DRAFTER_MODEL = "cache", "model"
+
+
+@dataclass(frozen=True, slots=True)
+class LabelledEvent:
+    """One draft with its exact label: accepted tokens under greedy verification."""
+
+    at: float  # unix time the label became known
+    tenant: str
+    workload: str
+    request_id: str
+    position: int  # output tokens emitted when the draft was made
+    drafter: str  # whose draft is labelled: cache | model
+    decision: str  # what the step verified: cache | model | none
+    draft_len: int
+    accepted: int
+    predicted: float | None
+    tau: float | None
+    predictor_version_id: int | None
+    features: bytes | None  # float32 row of the feature vector the gate saw (cache drafts)
+
+    def to_row(self) -> dict:
+        from datetime import datetime, timezone
+
+        return {
+            "at": datetime.fromtimestamp(self.at, tz=timezone.utc), "tenant": self.tenant, "workload": self.workload,
+            "request_id": self.request_id, "position": self.position, "drafter": self.drafter,
+            "decision": self.decision, "draft_len": self.draft_len, "accepted": self.accepted,
+            "predicted": self.predicted, "tau": self.tau, "predictor_version_id": self.predictor_version_id,
+            "features": self.features,
+        }
+
+
+class EventQueue:
+    """A bounded FIFO: `put` drops (and counts) instead of waiting when full."""
+
+    def __init__(self, maxsize: int = 65536) -> None:
+        if maxsize < 1:
+            raise ValueError(f"event queue size must be >= 1, got {maxsize}")
+        self._queue: queue.Queue[LabelledEvent] = queue.Queue(maxsize)
+        self._lock = threading.Lock()
+        self.maxsize = maxsize
+        self.dropped = 0
+        self.accepted = 0
+
+    def put(self, event: LabelledEvent) -> bool:
+        try:
+            self._queue.put_nowait(event)
+        except queue.Full:
+            with self._lock:
+                self.dropped += 1
+            return False
+        with self._lock:
+            self.accepted += 1
+        return True
+
+    def get_batch(self, max_items: int, timeout: float) -> list[LabelledEvent]:
+        """Up to max_items events; waits at most `timeout` seconds for the first one."""
+        try:
+            first = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return []
+        batch = [first]
+        while len(batch) < max_items:
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def depth(self) -> int:
+        return self._queue.qsize()

@@ -1,0 +1,131 @@
+"""The trace replay engine: an inference engine whose "target model" is the recorded continuation.
+
+It drives the same Runtime an engine plugin drives: each step it reports the tokens the previous
+step emitted, receives the plan, and "verifies" it greedily against the recorded output: a cache
+draft accepts its longest common prefix with the true continuation; a model draft accepts what a
+simulated EAGLE3 drafter would (seeded, per request and position); every step emits accepted + 1
+tokens. Requests of one deployment run `batch_size` at a time in arrival order.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from controller.decision import CACHE, MODEL
+from controller.runtime import RequestInput, Runtime
+from predictor.labels import lcp
+from predictor.profiles import DrafterProfile
+from predictor.replay import deployments
+from predictor.tokens import TraceTokenizer
+from predictor.traces import TraceRecord
+
+
+@dataclass
+class WorkloadTally:
+    tokens: int = 0
+    cycles: int = 0
+    cache_cycles: int = 0
+    model_cycles: int = 0
+    wasted: int = 0
+
+    @property
+    def cycles_per_1k(self) -> float:
+        return 1000.0 * self.cycles / max(self.tokens, 1)
+
+
+@dataclass
+class ReplayRun:
+    by_workload: dict[str, WorkloadTally] = field(default_factory=dict)
+    steps: int = 0
+
+    def total(self) -> WorkloadTally:
+        out = WorkloadTally()
+        for t in self.by_workload.values():
+            out.tokens += t.tokens
+            out.cycles += t.cycles
+            out.cache_cycles += t.cache_cycles
+            out.model_cycles += t.model_cycles
+            out.wasted += t.wasted
+        return out
+
+
+@dataclass
+class _Live:
+    record: TraceRecord
+    prompt: np.ndarray
+    out: np.ndarray
+    emitted: int = 0
+    pending_new: np.ndarray | None = None  # emitted by the last step, not yet reported
+    started: bool = False
+
+
+def model_draft_accepted(drafter: DrafterProfile, seed: int, trace_id: str, position: int) -> int:
+    """The simulated model drafter's accepted length at one position: deterministic per (seed, trace,
+    position), P(a >= i) = acceptance ** i, capped at the draft length."""
+    rng = np.random.default_rng([seed, position, *trace_id.encode()])
+    u = rng.random()
+    if drafter.acceptance <= 0.0:
+        return 0
+    return int(min(drafter.draft_len, np.floor(np.log(max(u, 1e-300)) / np.log(drafter.acceptance))))
+
+
+def run_replay(runtime: Runtime, records: Sequence[TraceRecord], tokenizer: TraceTokenizer,
+               drafter: DrafterProfile, batch_size: int = 1, seed: int = 0, tenant_of: Callable[[TraceRecord], str] | None = None,
+               on_step: Callable[[ReplayRun], None] | None = None, stop: Callable[[], bool] | None = None) -> ReplayRun:
+    """Serve `records` through `runtime` deployment by deployment; returns cycles and tokens per workload."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    run = ReplayRun()
+    tenant_of = tenant_of or (lambda r: "default")
+    for group in deployments(records).values():
+        runtime.reset_cache()
+        queue = list(group)
+        live: list[_Live] = []
+        while (queue or live) and not (stop is not None and stop()):
+            while queue and len(live) < batch_size:
+                rec = queue.pop(0)
+                out = tokenizer.encode_output(rec.output)
+                if len(out) == 0:
+                    continue
+                item = _Live(rec, tokenizer.encode_context(rec), out, emitted=1, pending_new=out[:1])
+                tally = run.by_workload.setdefault(rec.workload, WorkloadTally())
+                tally.tokens += len(out)
+                tally.cycles += 1  # prefill emits the first token
+                live.append(item)
+            for x in live:
+                if x.emitted >= len(x.out):
+                    runtime.finish(x.record.trace_id, x.pending_new)
+            live = [x for x in live if x.emitted < len(x.out)]
+            if not live:
+                continue
+            inputs = [RequestInput(x.record.trace_id, x.pending_new, None if x.started else x.prompt,
+                                   tenant_of(x.record), x.record.workload) for x in live]
+            for x in live:
+                x.started = True
+            plan = runtime.step(inputs)
+            run.steps += 1
+            for i, x in enumerate(live):
+                t = x.emitted
+                tally = run.by_workload[x.record.workload]
+                if plan.source[i] == CACHE:
+                    draft = plan.drafts[i]
+                    accepted = lcp(draft, x.out[t : t + len(draft)].tolist())
+                    tally.cache_cycles += 1
+                    tally.wasted += len(draft) - accepted
+                elif plan.source[i] == MODEL:
+                    accepted = min(model_draft_accepted(drafter, seed, x.record.trace_id, t), runtime.decision.model_draft_len)
+                    tally.model_cycles += 1
+                    tally.wasted += runtime.decision.model_draft_len - accepted
+                else:
+                    accepted = 0
+                emit = min(accepted + 1, len(x.out) - t)
+                x.pending_new = x.out[t : t + emit]
+                x.emitted = t + emit
+                tally.cycles += 1
+            if on_step is not None:
+                on_step(run)
+        for x in live:  # stopped early: end what is running
+            runtime.finish(x.record.trace_id)
+    return run

@@ -1,0 +1,36 @@
+"""Repository for decision events: bulk insert (one transaction per batch) and simple reads."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import func, insert, select
+from sqlalchemy.orm import Session
+
+from storage.models import DecisionEvent
+
+EVENT_COLUMNS = ("at", "tenant", "workload", "request_id", "position", "drafter", "decision", "draft_len",
+                 "accepted", "predicted", "tau", "predictor_version_id", "features")
+
+
+def insert_events(session: Session, rows: Sequence[dict[str, Any]]) -> int:
+    """Insert plain dict rows (keys: EVENT_COLUMNS) in one executemany; returns the count."""
+    if rows:
+        session.execute(insert(DecisionEvent), list(rows))
+    return len(rows)
+
+
+def count_events(session: Session, **filters: Any) -> int:
+    stmt = select(func.count()).select_from(DecisionEvent)
+    for name, value in filters.items():
+        stmt = stmt.where(getattr(DecisionEvent, name) == value)
+    return int(session.scalar(stmt) or 0)
+
+
+def list_events(session: Session, limit: int | None = None, **filters: Any) -> list[DecisionEvent]:
+    stmt = select(DecisionEvent).order_by(DecisionEvent.id)
+    for name, value in filters.items():
+        stmt = stmt.where(getattr(DecisionEvent, name) == value)
+    if limit is not None:
+        stmt = stmt.limit(limit)
+    return list(session.scalars(stmt))
