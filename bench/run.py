@@ -96,12 +96,83 @@ def bench_gate(records, tokenizer) -> None:
               f"gate/lookup {pr / lk:5.2f} (goal < 1: {'met' if pr < lk else 'NOT met'})")
 
 
+class TimedDrafter(CacheDrafter):
+    """The cache drafter, timing its own lookups (append + draft) into a shared counter, so the
+    runtime's overhead is the rest of the step."""
+
+    seconds = 0.0
+
+    def extend(self, req_id, token_ids) -> None:
+        t0 = time.perf_counter()
+        super().extend(req_id, token_ids)
+        TimedDrafter.seconds += time.perf_counter() - t0
+
+    def draft(self, req_id, context, max_spec_tokens=None):
+        t0 = time.perf_counter()
+        d = super().draft(req_id, context, max_spec_tokens)
+        TimedDrafter.seconds += time.perf_counter() - t0
+        return d
+
+    def start(self, req_id, prompt_token_ids) -> None:
+        t0 = time.perf_counter()
+        super().start(req_id, prompt_token_ids)
+        TimedDrafter.seconds += time.perf_counter() - t0
+
+    def stop(self, req_id) -> None:
+        t0 = time.perf_counter()
+        super().stop(req_id)
+        TimedDrafter.seconds += time.perf_counter() - t0
+
+
+def bench_runtime(records, tokenizer) -> None:
+    """Runtime.step driven by the replay engine at batch 1, 32 and 256: its overhead (features,
+    prediction, decision, hindsight bookkeeping) as a ratio to the suffix lookups of the same steps."""
+    from controller.decision import DecisionConfig
+    from controller.replay_engine import run_replay
+    from controller.runtime import Runtime
+    from predictor.profiles import drafter_profiles
+
+    torch.manual_seed(0)
+    gate = GatePredictor.from_torch(MLP(NUM_FEATURES), schema_hash())
+    print("runtime overhead per step vs the suffix lookups of the same step (goal <= 0.5):")
+    for batch in (1, 32, 256):
+        runtime = Runtime(gate, tokenizer.classes, DecisionConfig(fixed_tau=1.0), drafter_factory=TimedDrafter)
+        TimedDrafter.seconds = 0.0
+        step_seconds, steps = [0.0], [0]
+        inner = runtime.step
+
+        def timed_step(inputs, finished=(), inner=inner):
+            t0 = time.perf_counter()
+            plan = inner(inputs, finished)
+            step_seconds[0] += time.perf_counter() - t0
+            steps[0] += 1
+            return plan
+
+        inner_finish = runtime.finish
+
+        def timed_finish(req_id, last_tokens=(), inner_finish=inner_finish):
+            t0 = time.perf_counter()
+            inner_finish(req_id, last_tokens)
+            step_seconds[0] += time.perf_counter() - t0
+
+        runtime.step, runtime.finish = timed_step, timed_finish
+        limit = 400 if batch == 1 else 60
+        run_replay(runtime, records[: max(batch * 2, 40)], tokenizer, drafter_profiles()["eagle3-1.75"],
+                   batch_size=batch, stop=lambda: steps[0] >= limit)
+        lookups = TimedDrafter.seconds
+        overhead = step_seconds[0] - lookups
+        print(f"  batch {batch:4d}: {steps[0]} steps, lookups {1e6 * lookups / steps[0]:8.1f} us/step, "
+              f"overhead {1e6 * overhead / steps[0]:8.1f} us/step, ratio {overhead / lookups:5.2f} "
+              f"({'met' if overhead <= 0.5 * lookups else 'NOT met'})")
+
+
 def main() -> None:
     torch.set_num_threads(1)
     records, _ = load_traces([bundled_traces_path()])
     tokenizer = TraceTokenizer()
     bench_replay(subset(records, 40), tokenizer)
     bench_gate(subset(records, 60), tokenizer)
+    bench_runtime(subset(records, 80), tokenizer)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ tokens. Requests of one deployment run `batch_size` at a time in arrival order.
 """
 from __future__ import annotations
 
+import hashlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -64,11 +66,11 @@ class _Live:
 def model_draft_accepted(drafter: DrafterProfile, seed: int, trace_id: str, position: int) -> int:
     """The simulated model drafter's accepted length at one position: deterministic per (seed, trace,
     position), P(a >= i) = acceptance ** i, capped at the draft length."""
-    rng = np.random.default_rng([seed, position, *trace_id.encode()])
-    u = rng.random()
+    digest = hashlib.blake2b(f"{seed}:{trace_id}:{position}".encode(), digest_size=8).digest()
+    u = (int.from_bytes(digest, "little") + 0.5) / 2.0**64
     if drafter.acceptance <= 0.0:
         return 0
-    return int(min(drafter.draft_len, np.floor(np.log(max(u, 1e-300)) / np.log(drafter.acceptance))))
+    return int(min(drafter.draft_len, math.floor(math.log(u) / math.log(drafter.acceptance))))
 
 
 def run_replay(runtime: Runtime, records: Sequence[TraceRecord], tokenizer: TraceTokenizer,

@@ -12,7 +12,7 @@ events go onto a bounded queue and never wait for SQL.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,13 +67,15 @@ class RuntimeStats:
 class Runtime:
     def __init__(self, gate: GatePredictor, classes: TokenClasses, decision: DecisionConfig | None = None,
                  events: EventQueue | None = None, version_id: int | None = None,
-                 suffix: SuffixConfig | None = None, clock=time.time) -> None:
+                 suffix: SuffixConfig | None = None, clock=time.time,
+                 drafter_factory: Callable[[SuffixConfig | None], CacheDrafter] = CacheDrafter) -> None:
         self.gate = gate
         self.version_id = version_id
         self.classes = classes
         self.decision = decision or DecisionConfig()
         self.events = events if events is not None else EventQueue()
-        self.drafter = CacheDrafter(suffix)
+        self._drafter_factory = drafter_factory
+        self.drafter = drafter_factory(suffix)
         self.requests: dict[str, RequestState] = {}
         self.stats = RuntimeStats()
         self.mu_e = self.decision.initial_model_accepted  # running mean accepted length of the model drafter
@@ -157,7 +159,7 @@ class Runtime:
         """A fresh suffix cache (a new deployment); only allowed with no request running."""
         if self.requests:
             raise RuntimeError_(f"cannot reset the cache with {len(self.requests)} requests running")
-        self.drafter = CacheDrafter(self.drafter.config)
+        self.drafter = self._drafter_factory(self.drafter.config)
 
     # ---------------------------------------------------------------- internals
     def _observe(self, inp: RequestInput) -> RequestState:

@@ -127,6 +127,22 @@ def test_upgrade_is_idempotent(engine: Engine) -> None:
     assert current_revision(engine) == "0002"
 
 
+def test_downgrade_one_step_keeps_earlier_data(engine: Engine) -> None:
+    """0002 -> 0001 drops only the decision events; stored predictor versions survive."""
+    upgrade(engine)
+    with session_scope(engine) as s:
+        v = create_version(s, blob=b"abc", kind="mlp", feature_schema_hash="h", metrics={}, training_summary={},
+                           reason="r", created_by="t")
+        vid = v.id
+    downgrade(engine, "0001")
+    assert current_revision(engine) == "0001"
+    assert "decision_events" not in set(inspect(engine).get_table_names())
+    with session_scope(engine) as s:
+        assert get_version(s, vid).blob == b"abc"
+    upgrade(engine)
+    assert "decision_events" in set(inspect(engine).get_table_names())
+
+
 def test_downgrade_to_base_removes_tables(engine: Engine) -> None:
     upgrade(engine)
     downgrade(engine, "base")

@@ -61,12 +61,29 @@ def spec_configs(head: str | None, k: int) -> dict[str, dict | None]:
     cfgs: dict[str, dict | None] = {
         "plain": None,
         "suffix": {"method": "suffix", "num_speculative_tokens": k},
-        "ngram": {"method": "ngram", "num_speculative_tokens": min(k, 8),
-                  "prompt_lookup_max": 4, "prompt_lookup_min": 2},
     }
     if head:
         cfgs["eagle3"] = {"method": "eagle3", "model": head, "num_speculative_tokens": 3}
+    # ngram last: it imports numba, after which a new engine in the same process can crash
+    # (see patch_llvmlite_for_vllm).
+    cfgs["ngram"] = {"method": "ngram", "num_speculative_tokens": min(k, 8),
+                     "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     return cfgs
+
+
+def patch_llvmlite_for_vllm() -> None:
+    """Work around a vLLM 0.32 CPU start-up crash once numba is imported in the process.
+
+    At worker init, vllm/triton_utils/dispatcher.py (_rebind_kernels) scans every module and
+    does `vars(value).get("kernel")` on anything with a `__dict__`; llvmlite's `ffi.lib` wrapper
+    answers *any* attribute (including `__dict__`) with a ctypes function wrapper, so the scan
+    raises AttributeError: '_lib_fn_wrapper' object has no attribute 'get'. numba (hence
+    llvmlite.binding) is imported by the ngram proposer, so a second engine started in the same
+    process after an ngram engine dies. Giving the wrapper a real `__dict__` entry fixes it.
+    """
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    if ffi is not None and hasattr(ffi, "lib") and hasattr(ffi.lib, "_fntab"):
+        ffi.lib._fntab.setdefault("__dict__", {})
 
 
 def spec_counters(llm) -> dict:
@@ -90,6 +107,7 @@ def spec_counters(llm) -> dict:
 def run(model: str, dtype: str, spec: dict | None, max_tokens: int, extra: dict) -> dict:
     from vllm import LLM, SamplingParams
 
+    patch_llvmlite_for_vllm()
     t0 = time.perf_counter()
     llm = LLM(model=model, dtype=dtype, speculative_config=spec, **BASE_ARGS, **extra)
     startup = time.perf_counter() - t0

@@ -1,0 +1,178 @@
+"""The per-step runtime: hindsight labels and features equal dense replay, decisions, the queue."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from controller.decision import CACHE, MODEL, NONE, DecisionConfig
+from controller.event_writer import EventWriter
+from controller.events import EventQueue, LabelledEvent
+from controller.replay_engine import run_replay
+from controller.runtime import RequestInput, Runtime, RuntimeError_
+from predictor.cache_drafter import CacheDrafter
+from predictor.features import FEATURE_NAMES, NUM_FEATURES, schema_hash
+from predictor.labels import lcp
+from predictor.mlp import MLP, GatePredictor
+from predictor.profiles import drafter_profiles
+from predictor.replay import replay
+from predictor.tokens import TraceTokenizer
+from predictor.traces import bundled_traces_path, load_traces
+from storage.engine import make_engine, session_scope
+from storage.events import count_events, list_events
+from storage.migrate import upgrade
+
+DRAFTER = drafter_profiles()["eagle3-1.75"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> TraceTokenizer:
+    return TraceTokenizer()
+
+
+@pytest.fixture(scope="module")
+def records():
+    recs, _ = load_traces([bundled_traces_path()])
+    seen: dict[str, int] = {}
+    out = []
+    for r in recs:
+        if seen.get(r.source, 0) < 3:
+            seen[r.source] = seen.get(r.source, 0) + 1
+            out.append(r)
+    return out
+
+
+@pytest.fixture(scope="module")
+def gate() -> GatePredictor:
+    torch.manual_seed(0)
+    return GatePredictor.from_torch(MLP(NUM_FEATURES), schema_hash())
+
+
+def match_len_gate() -> GatePredictor:
+    """A transparent gate: predicts the draft's match length (so a fixed tau splits decisions)."""
+    w = np.zeros((NUM_FEATURES, 1), dtype=np.float32)
+    w[FEATURE_NAMES.index("match_len"), 0] = 1.0
+    return GatePredictor(np.zeros(NUM_FEATURES, np.float32), np.ones(NUM_FEATURES, np.float32), [w],
+                         [np.zeros(1, np.float32)], schema_hash())
+
+
+def drain(queue: EventQueue) -> list[LabelledEvent]:
+    out = []
+    while batch := queue.get_batch(100_000, 0.0):
+        out += batch
+    return out
+
+
+def test_one_token_steps_reproduce_dense_replay_labels_and_features(records, tokenizer, gate):
+    dense = replay(records, tokenizer)
+    runtime = Runtime(gate, tokenizer.classes, DecisionConfig(fallback="none", fixed_tau=1e9))
+    run_replay(runtime, records, tokenizer, DRAFTER, batch_size=1)
+    events = drain(runtime.events)
+    index = {r.trace_id: i for i, r in enumerate(records)}
+    row = {(int(t), int(p)): j for j, (t, p) in enumerate(zip(dense.trace, dense.position))}
+    assert len(events) == int((dense.draft_len > 0).sum()) > 1000
+    for e in events:
+        j = row[(index[e.request_id], e.position)]
+        assert (e.accepted, e.draft_len) == (dense.label[j], dense.draft_len[j])
+        np.testing.assert_allclose(np.frombuffer(e.features, dtype=np.float32), dense.features[j], atol=1e-5)
+        assert e.decision == "none" and e.drafter == "cache"
+
+
+def test_hindsight_labels_with_batching_are_exact_lcps(records, tokenizer, gate, monkeypatch):
+    """Interleaved requests (batch 4), real decisions: every cache draft's label is its LCP with
+    the true continuation, whether or not it was verified."""
+    runtime = Runtime(match_len_gate(), tokenizer.classes, DecisionConfig(fixed_tau=8.0))
+    drafts: dict[tuple[str, int], list[int]] = {}
+    original = CacheDrafter.draft
+
+    def spy(self, req_id, context, max_spec_tokens=None):
+        d = original(self, req_id, context, max_spec_tokens)
+        if d.length:
+            drafts[(req_id, len(context) - runtime.requests[req_id].prompt_len)] = d.token_ids
+        return d
+
+    monkeypatch.setattr(CacheDrafter, "draft", spy)
+    run = run_replay(runtime, records, tokenizer, DRAFTER, batch_size=4)
+    outputs = {r.trace_id: tokenizer.encode_output(r.output).tolist() for r in records}
+    events = drain(runtime.events)
+    cache_events = [e for e in events if e.drafter == "cache"]
+    assert len(cache_events) == len(drafts)
+    assert {e.decision for e in cache_events} >= {"cache", "model"}
+    for e in cache_events:
+        draft = drafts[(e.request_id, e.position)]
+        assert e.accepted == lcp(draft, outputs[e.request_id][e.position:])
+    model_events = [e for e in events if e.drafter == "model"]
+    assert len(model_events) == sum(t.model_cycles for t in run.by_workload.values())
+    assert all(0 <= e.accepted <= runtime.decision.model_draft_len for e in model_events)
+
+
+def test_fallback_none_and_opt_out(tokenizer, gate):
+    runtime = Runtime(gate, tokenizer.classes, DecisionConfig(fallback="none", fixed_tau=-1.0))
+    prompt = list(range(100, 140)) * 3
+    plan = runtime.step([RequestInput("a", [100], prompt, workload="agentic"),
+                         RequestInput("b", [100], prompt, workload="agentic", speculate=False)])
+    assert plan.source.tolist() == [CACHE, NONE]
+    assert plan.drafts[0] == list(range(101, 101 + len(plan.drafts[0]))) and plan.drafts[1] == []
+    assert plan.cache_len[1] == 0  # an opted-out request costs no cache lookup
+
+
+def test_backoff_above_running_limit(tokenizer, gate):
+    prompt = list(range(100, 140)) * 3
+    inputs = [RequestInput(f"r{i}", [100], prompt, workload="coding") for i in range(3)]
+    off = Runtime(gate, tokenizer.classes, DecisionConfig(fixed_tau=-1.0, max_running_for_speculation=2))
+    assert off.step(inputs).source.tolist() == [NONE] * 3
+    cache_only = Runtime(gate, tokenizer.classes, DecisionConfig(fixed_tau=-1.0, max_running_for_speculation=2,
+                                                                 backoff="cache_only"))
+    assert cache_only.step(inputs).source.tolist() == [CACHE] * 3
+    under = Runtime(gate, tokenizer.classes, DecisionConfig(fixed_tau=1e9, max_running_for_speculation=5))
+    assert under.step(inputs).source.tolist() == [MODEL] * 3
+
+
+def test_model_acceptance_recorded_from_next_step_tokens(tokenizer, gate):
+    runtime = Runtime(gate, tokenizer.classes, DecisionConfig(fixed_tau=1e9, model_draft_len=3))
+    assert runtime.step([RequestInput("a", [5], [1, 2, 3, 4], workload="chat")]).source.tolist() == [MODEL]
+    runtime.step([RequestInput("a", [6, 7, 8], workload="chat")])  # 2 accepted + bonus
+    events = [e for e in drain(runtime.events) if e.drafter == "model"]
+    assert [(e.position, e.accepted, e.draft_len) for e in events] == [(1, 2, 3)]
+    assert runtime.mu_e == pytest.approx(0.99 * 0.75 + 0.01 * 2)
+
+
+def test_bad_requests_are_clear_errors(tokenizer, gate):
+    runtime = Runtime(gate, tokenizer.classes)
+    with pytest.raises(RuntimeError_, match="without its prompt"):
+        runtime.step([RequestInput("x", [1])])
+    with pytest.raises(RuntimeError_, match="unknown workload 'poetry'"):
+        runtime.step([RequestInput("y", [1], [1, 2], workload="poetry")])
+    with pytest.raises(ValueError, match="fallback"):
+        DecisionConfig(fallback="eagle")
+
+
+def test_full_queue_drops_and_counts_exactly():
+    q = EventQueue(maxsize=5)
+    event = LabelledEvent(0.0, "t", "chat", "r", 1, "cache", "none", 3, 1, 0.5, 1.0, None, None)
+    results = [q.put(event) for _ in range(8)]
+    assert results == [True] * 5 + [False] * 3
+    assert (q.accepted, q.dropped, q.depth()) == (5, 3, 5)
+
+
+def test_runtime_never_blocks_on_a_full_queue(records, tokenizer, gate):
+    runtime = Runtime(gate, tokenizer.classes, DecisionConfig(fallback="none", fixed_tau=1e9), events=EventQueue(10))
+    run_replay(runtime, records[:3], tokenizer, DRAFTER)
+    assert runtime.events.accepted == 10
+    assert runtime.events.dropped == runtime.stats.cache_drafts - 10 > 0
+
+
+def test_events_reach_sql_in_batches(tmp_path, records, tokenizer, gate):
+    engine = make_engine(f"sqlite:///{tmp_path}/ev.db")
+    upgrade(engine)
+    runtime = Runtime(gate, tokenizer.classes, DecisionConfig(fixed_tau=1.0), version_id=None)
+    writer = EventWriter(engine, runtime.events, batch_size=500, flush_interval=0.05).start()
+    run_replay(runtime, records[:6], tokenizer, DRAFTER, batch_size=3, tenant_of=lambda r: f"tenant-{r.source[:3]}")
+    writer.stop()
+    assert writer.written == runtime.events.accepted > 0 and writer.dropped == 0
+    with session_scope(engine) as session:
+        assert count_events(session) == writer.written
+        first = list_events(session, limit=1)[0]
+        assert first.tenant.startswith("tenant-") and first.workload in {r.workload for r in records[:6]}
+        cache_rows = count_events(session, drafter="cache")
+    assert cache_rows == runtime.stats.cache_drafts
