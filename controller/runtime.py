@@ -151,8 +151,10 @@ class Runtime:
         if len(last_tokens):
             self._observe(RequestInput(req_id, last_tokens, None, st.tenant, st.workload, st.speculate))
         del self.requests[req_id]
+        st.model_draft = None  # planned after the last token: never verified
         for d in st.resolve(final=True):
-            self._emit_cache(st, d)
+            if d.position < st.output_len:  # a draft made after the last token says nothing
+                self._emit_cache(st, d)
         self.drafter.stop(req_id)
 
     def reset_cache(self) -> None:

