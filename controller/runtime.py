@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from controller.decision import CACHE, MODEL, NONE, SOURCE_NAMES, DecisionConfig, decide
+from controller.decision import CACHE, MODEL, SOURCE_NAMES, DecisionConfig, decide
 from controller.events import DRAFTER_CACHE, DRAFTER_MODEL, EventQueue, LabelledEvent
 from controller.request_state import CacheDraftRecord, ModelDraftRecord, RequestState
 from predictor.cache_drafter import CacheDrafter, SuffixConfig

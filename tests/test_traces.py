@@ -101,7 +101,7 @@ def test_bad_line_names_file_line_and_field(tmp_path: Path, bad: object, expecte
     path = write_jsonl(tmp_path / "user.jsonl", [ok, bad])
     with pytest.raises(TraceFormatError) as info:
         load_traces([path])
-    assert f"user.jsonl:2: " in str(info.value)
+    assert "user.jsonl:2: " in str(info.value)
     assert expected in str(info.value)
 
 

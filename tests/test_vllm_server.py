@@ -1,0 +1,88 @@
+"""`hvd serve --engine vllm` end to end: the real OpenAI-compatible server answers a completion
+request carrying tenant/workload metadata, and that request's events reach SQL under them."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from storage.engine import make_engine, session_scope
+from storage.events import list_events
+from trace_subset import champion_database
+
+HVD = Path(sys.executable).with_name("hvd")
+STARTUP_SECONDS = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("serve")
+    db = champion_database(folder, {"medagentbench-agentbench-pr171": 20, "aider-chat-history": 10})
+    port = _free_port()
+    log = (folder / "server.log").open("w")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HVD_")}
+    proc = subprocess.Popen([str(HVD), "--db", db, "serve", "--engine", "vllm", "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + STARTUP_SECONDS
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{(folder / 'server.log').read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            time.sleep(1)
+    else:
+        pytest.fail("server did not come up in time:\n" + (folder / "server.log").read_text()[-3000:])
+    try:
+        yield base, db
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def test_completion_with_metadata_reaches_sql(server):
+    base, db = server
+    prompt = ("GET http://localhost:8080/fhir/Patient?identifier=S6534835\n"
+              "GET http://localhost:8080/fhir/Patient?identifier=S6534835\n" * 3)
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": 32, "temperature": 0,
+            "vllm_xargs": {"hvd_tenant": "acme", "hvd_workload": "agentic"}}
+    answer = _post(base + "/v1/completions", body)
+    assert answer["choices"][0]["text"]
+    assert answer["usage"]["completion_tokens"] == 32
+    engine = make_engine(db)
+    deadline = time.time() + 30
+    events = []
+    while time.time() < deadline and not events:
+        with session_scope(engine) as session:
+            events = list_events(session, tenant="acme")
+        time.sleep(0.5)
+    assert events, "no events under tenant acme reached SQL"
+    assert {e.workload for e in events} == {"agentic"}
+    assert any(e.drafter == "cache" for e in events)
