@@ -8,7 +8,6 @@ cache drafts only (`backoff="cache_only"`), because verification is no longer ne
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,9 +35,6 @@ class DecisionConfig:
     max_running_for_speculation: int | None = None  # back off above this many running requests
     backoff: str = "none"
     fixed_tau: float | None = None  # overrides the goodput rule (tests, operators)
-    # The model drafter runs every step anyway (to keep its KV cache in step): its drafting time
-    # is then not a cost of choosing it.
-    model_drafter_sunk: bool = False
 
     def __post_init__(self) -> None:
         if self.fallback not in FALLBACKS:
@@ -63,23 +59,22 @@ class DecisionConfig:
         return (1.0 - self.model_mean_decay) * mean + self.model_mean_decay * accepted
 
 
-def effective_cost(config: DecisionConfig) -> CostProfile:
-    if config.model_drafter_sunk:
-        return dataclasses.replace(config.cost, draft_token_ms=0.0)
-    return config.cost
+def effective_cost(config: DecisionConfig, batch: int) -> CostProfile:
+    """The cost profile for one request's share of a step with `batch` requests."""
+    return config.cost.per_request(batch)
 
 
-def model_beats_plain(mu_e: float, config: DecisionConfig) -> bool:
+def model_beats_plain(mu_e: float, config: DecisionConfig, batch: int = 1) -> bool:
     """The goodput rule applied to the fallback itself: a model drafter that accepts too little
     (a random head, a workload it was not trained on) loses to plain decoding."""
-    cost = effective_cost(config)
+    cost = effective_cost(config, batch)
     return (mu_e + 1.0) / model_step_ms(cost, config.model_draft_len) > 1.0 / cost.target_ms(1)
 
 
 def thresholds(cache_len: np.ndarray, mu_e: float, config: DecisionConfig, fallback: str) -> np.ndarray:
     if config.fixed_tau is not None:
         return np.full(len(cache_len), config.fixed_tau, dtype=np.float64)
-    cost = effective_cost(config)
+    cost = effective_cost(config, max(len(cache_len), 1))
     if fallback == "none":
         return cost.target_ms(1 + np.asarray(cache_len, dtype=np.float64)) / cost.target_ms(1) - 1.0
     return tau_star(cache_len, mu_e, config.model_draft_len, cost)
@@ -92,7 +87,7 @@ def decide(predicted: np.ndarray, cache_len: np.ndarray, mu_e: float, config: De
     fallback = config.fallback
     if config.over_limit(n) and config.backoff == "cache_only":
         fallback = "none"
-    if fallback == "model" and config.fixed_tau is None and not model_beats_plain(mu_e, config):
+    if fallback == "model" and config.fixed_tau is None and not model_beats_plain(mu_e, config, max(n, 1)):
         fallback = "none"
     tau = thresholds(cache_len, mu_e, config, fallback)
     has = np.asarray(cache_len) > 0

@@ -9,9 +9,10 @@ proposer is then never called: the runtime's cache replaces it).
 
 The patch wraps `GPUModelRunner.propose_draft_token_ids`, which vLLM's CPU runner inherits. Per
 step the runner hands over the batch; the runtime labels last step's drafts from the sampled tokens,
-drafts from the suffix cache, runs the gate once, and decides; EAGLE runs for the whole batch when
-the fallback is the model drafter (so its own KV cache stays in step), and each request gets its
-cache draft, its EAGLE row, or nothing, as vLLM's variable-length draft lists.
+drafts from the suffix cache, runs the gate once, and decides; EAGLE runs (for the whole batch)
+only in steps where some request chose it, and each request gets its cache draft, its EAGLE row,
+or nothing, as vLLM's variable-length draft lists. Skipping EAGLE leaves its own KV cache without
+the positions of those steps: later EAGLE drafts may be worse, never wrong (verification is exact).
 
 Per-request metadata (`SamplingParams.extra_args`, `vllm_xargs` in the OpenAI API):
 `hvd_tenant`, `hvd_workload` (agentic, code_edit, coding, sql, chat), `hvd_speculate` (false = opt out).
@@ -161,7 +162,7 @@ class HybridState:
         decision = DecisionConfig(
             fallback=fallback, model_draft_len=min(settings.model_draft_len, self.k_max), cost=cost,
             max_running_for_speculation=settings.max_running, backoff=settings.backoff,
-            fixed_tau=settings.fixed_tau, model_drafter_sunk=self.run_eagle,
+            fixed_tau=settings.fixed_tau,
         )
         engine = make_engine(database_url(settings.database_url))
         upgrade(engine)
@@ -202,7 +203,7 @@ class HybridState:
         finished = [r for r in known if r not in running]
         plan = self.runtime.step(inputs, finished)
         eagle_rows = None
-        if self.run_eagle:
+        if self.run_eagle and (plan.source == MODEL).any():
             k_e = self.runtime.decision.model_draft_len
             sched = dataclasses.replace(scheduler_output, num_spec_tokens_to_schedule=k_e)
             eagle = original(runner, sched, sampled_token_ids, *args, **kwargs)

