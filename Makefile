@@ -15,7 +15,7 @@ DB ?= sqlite:///var/hvd.db
 ARGS ?=
 HVD := $(VENV)/bin/hvd
 
-.PHONY: setup run warmstart eval test bench traces clean-venv
+.PHONY: setup run warmstart eval serve test bench traces clean-venv
 
 setup: $(STAMP) $(MODELS)
 
@@ -58,11 +58,18 @@ warmstart: setup
 eval: setup
 	$(HVD) --db $(DB) eval --json var/eval.json $(ARGS)
 
+serve: setup
+	$(HVD) --db $(DB) serve --engine vllm $(ARGS)
+
 test: setup
 	$(PY) -m pytest -q $(ARGS)
 
+# The hybrids in bench/vllm_methods.py read the champion of $(DB): warm start first if there is none.
 bench: setup
 	$(PY) bench/run.py
+	$(PY) bench/vllm_cost_curve.py --model $(MODEL_BF16)
+	$(HVD) --db $(DB) versions | grep -q '^\*' || $(HVD) --db $(DB) warmstart
+	HVD_DATABASE_URL=$(DB) $(PY) bench/vllm_methods.py
 
 # Re-normalise the bundled traces from the read-only sources (only needed when they change).
 traces: setup

@@ -41,12 +41,6 @@ class ForcedProposer:
         pass
 
 
-def _patch_llvmlite() -> None:
-    ffi = sys.modules.get("llvmlite.binding.ffi")
-    if ffi is not None and hasattr(ffi, "lib") and hasattr(ffi.lib, "_fntab"):
-        ffi.lib._fntab.setdefault("__dict__", {})
-
-
 def fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
@@ -77,7 +71,9 @@ def main() -> int:
 
     from vllm import LLM, SamplingParams
 
-    _patch_llvmlite()
+    from controller.vllm_engine import patch_llvmlite
+
+    patch_llvmlite()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     t0 = time.perf_counter()
     llm = LLM(

@@ -68,13 +68,19 @@ class Runtime:
     def __init__(self, gate: GatePredictor, classes: TokenClasses, decision: DecisionConfig | None = None,
                  events: EventQueue | None = None, version_id: int | None = None,
                  suffix: SuffixConfig | None = None, clock=time.time,
-                 drafter_factory: Callable[[SuffixConfig | None], CacheDrafter] = CacheDrafter) -> None:
+                 drafter_factory: Callable[[SuffixConfig | None], CacheDrafter] = CacheDrafter,
+                 dense_history: bool = True) -> None:
         self.gate = gate
         self.version_id = version_id
         self.classes = classes
         self.decision = decision or DecisionConfig()
         self.events = events if events is not None else EventQueue()
         self._drafter_factory = drafter_factory
+        # Draft (in the shadow) at every output position, not only where steps land, so live
+        # features match the dense replay the predictor learned from; costs one more suffix
+        # lookup per accepted token.
+        self.dense_history = dense_history
+        self._deferred: list[tuple[RequestState, CacheDraftRecord]] = []
         self.drafter = drafter_factory(suffix)
         self.requests: dict[str, RequestState] = {}
         self.stats = RuntimeStats()
@@ -89,58 +95,38 @@ class Runtime:
     def step(self, inputs: Sequence[RequestInput], finished: Sequence[str] = ()) -> StepPlan:
         for req_id in finished:
             self.finish(req_id)
-        states = [self._observe(inp) for inp in inputs]
-        n = len(states)
+        n = len(inputs)
         self.stats.steps += 1
-        lengths = np.zeros(n, dtype=np.int64)
-        tokens: list[int] = []
-        probs: list[float] = []
-        score = np.zeros(n, dtype=np.float32)
-        match = np.zeros(n, dtype=np.int32)
-        source = np.zeros(n, dtype=np.int8)
-        other = np.zeros((n, 4), dtype=np.float32)
-        history = np.zeros((n, 9), dtype=np.float64)
-        drafts: list[list[int]] = [[] for _ in range(n)]
         speculating = self.decision.speculation_allowed(n)
-        for i, st in enumerate(states):
-            if not (st.speculate and speculating):
-                continue
-            d = self.drafter.draft(st.req_id, st.context())
-            if not d.length:
-                continue
-            lengths[i] = d.length
-            drafts[i] = d.token_ids
-            tokens.extend(d.token_ids)
-            probs.extend(d.probs)
-            score[i], match[i], source[i] = d.score, d.match_len, d.source
-            prev = st.latest
-            cont = 0
-            if prev is not None:
-                gap = st.output_len - prev.position
-                cont = _lcp_tail(prev.tokens, gap, d.token_ids)
-            other[i] = (d.other_score, d.other_len, d.trees_agree, cont)
-            history[i] = st.history()
-        has = lengths > 0
+        rows = _DraftRows()
+        main_row = np.full(n, -1, dtype=np.int64)  # the row of each request's draft at its current position
+        states = []
+        for i, inp in enumerate(inputs):
+            st = self._observe(inp, rows if (self.dense_history and inp.speculate and speculating) else None)
+            states.append(st)
+            if inp.speculate and speculating:
+                main_row[i] = self._draft_row(st, rows, shadow=False)
+        lengths = np.zeros(n, dtype=np.int64)
         predicted = np.full(n, np.nan, dtype=np.float32)
         x = None
-        if has.any():
-            positions = np.array([st.output_len for st in states], dtype=np.int64)
-            columns = DraftColumns(lengths, np.asarray(tokens, dtype=np.int32), np.asarray(probs, dtype=np.float32),
-                                   score, match, source, other[:, 0], other[:, 1], other[:, 2], other[:, 3])
-            hist = HistoryColumns(*(history[:, j] for j in range(9)))
-            x = draft_features(
-                columns, positions=positions,
-                context_len=np.array([st.length for st in states], dtype=np.int64),
-                nesting=np.array([st.nesting for st in states], dtype=np.int64),
-                at_line_start=np.array([self.classes.ends_line[st.buffer[st.length - 1]] if st.output_len else False
-                                        for st in states]),
-                history=hist, workload=np.array([st.workload_index for st in states]), classes=self.classes)
-            predicted[has] = self.gate.predict(x[has])
-        plan_source, tau = decide(predicted, lengths, self.mu_e, self.decision,
-                                  np.array([st.speculate for st in states]) & speculating)
-        self._record(states, plan_source, drafts, lengths, predicted, tau, x)
-        return StepPlan([st.req_id for st in states], plan_source,
-                        [drafts[i] if plan_source[i] == CACHE else [] for i in range(n)], predicted, tau, lengths)
+        if rows.count:
+            x = rows.features(self.classes)
+            row_pred = self.gate.predict(x)
+            has_row = main_row >= 0
+            lengths[has_row] = rows.lengths[main_row[has_row]]
+            predicted[has_row] = row_pred[main_row[has_row]]
+            predicted[lengths == 0] = np.nan
+        allowed = np.array([st.speculate for st in states], dtype=bool) & speculating
+        plan_source, tau = decide(predicted, lengths, self.mu_e, self.decision, allowed)
+        if rows.count:
+            self._record(rows, x, row_pred, main_row, plan_source, tau)
+        self._emit_deferred()
+        for i, st in enumerate(states):
+            self.stats.decisions[SOURCE_NAMES[int(plan_source[i])]] += 1
+            if plan_source[i] == MODEL:
+                st.model_draft = ModelDraftRecord(st.output_len, self.decision.model_draft_len)
+        drafts = [rows.drafts[main_row[i]] if plan_source[i] == CACHE else [] for i in range(n)]
+        return StepPlan([st.req_id for st in states], plan_source, drafts, predicted, tau, lengths)
 
     def finish(self, req_id: str, last_tokens: Sequence[int] | np.ndarray = ()) -> None:
         """The request ended (after emitting `last_tokens`, if the engine has not reported them):
@@ -149,7 +135,13 @@ class Runtime:
         if st is None:
             return
         if len(last_tokens):
-            self._observe(RequestInput(req_id, last_tokens, None, st.tenant, st.workload, st.speculate))
+            rows = _DraftRows() if self.dense_history and st.speculate else None
+            self._observe(RequestInput(req_id, last_tokens, None, st.tenant, st.workload, st.speculate), rows)
+            if rows is not None and rows.count:
+                x = rows.features(self.classes)
+                none = np.zeros(0, dtype=np.int64)
+                self._record(rows, x, self.gate.predict(x), none, none, none)
+            self._emit_deferred()
         del self.requests[req_id]
         st.model_draft = None  # planned after the last token: never verified
         for d in st.resolve(final=True):
@@ -164,7 +156,10 @@ class Runtime:
         self.drafter = self._drafter_factory(self.drafter.config)
 
     # ---------------------------------------------------------------- internals
-    def _observe(self, inp: RequestInput) -> RequestState:
+    def _observe(self, inp: RequestInput, rows: "_DraftRows | None" = None) -> RequestState:
+        """Take in the tokens the request emitted since the last step. With `rows` (dense history),
+        the cache also drafts at each intermediate position, exactly as offline replay does, so the
+        features the gate sees do not depend on how many tokens each step emitted."""
         st = self.requests.get(inp.req_id)
         new = np.asarray(inp.new_tokens, dtype=np.int32)
         if st is None:
@@ -179,33 +174,58 @@ class Runtime:
             self.drafter.start(inp.req_id, prompt)
             self.stats.requests_seen += 1
         st.speculate = inp.speculate
-        if len(new):
-            self.drafter.extend(inp.req_id, new)
-            st.append(new, self.classes.depth_delta)
         if st.model_draft is not None:
             accepted = max(0, min(len(new) - 1, st.model_draft.draft_len))
             self._emit_model(st, st.model_draft, accepted)
             st.model_draft = None
-        for d in st.resolve():
-            self._emit_cache(st, d)
+        steps = [new[j : j + 1] for j in range(len(new))] if rows is not None and len(new) > 1 else [new]
+        for j, chunk in enumerate(steps):
+            if len(chunk):
+                self.drafter.extend(inp.req_id, chunk)
+                st.append(chunk, self.classes.depth_delta)
+            for d in st.resolve():
+                self._emit_cache(st, d)
+            if rows is not None and j < len(steps) - 1:
+                self._draft_row(st, rows, shadow=True)
         return st
 
-    def _record(self, states: list[RequestState], plan_source: np.ndarray, drafts: list[list[int]],
-                lengths: np.ndarray, predicted: np.ndarray, tau: np.ndarray, x: np.ndarray | None) -> None:
-        for i, st in enumerate(states):
-            choice = int(plan_source[i])
-            self.stats.decisions[SOURCE_NAMES[choice]] += 1
-            if lengths[i]:
-                self.stats.cache_drafts += 1
-                st.add_draft(CacheDraftRecord(st.output_len, drafts[i], SOURCE_NAMES[choice], float(predicted[i]),
-                                              float(tau[i]), self.version_id, x[i].tobytes()))
-            if choice == MODEL:
-                st.model_draft = ModelDraftRecord(st.output_len, self.decision.model_draft_len)
+    def _draft_row(self, st: RequestState, rows: "_DraftRows", shadow: bool) -> int:
+        """Draft at the request's current position; the draft joins its history at once (later
+        positions of this step see it), its features and prediction are filled in per batch."""
+        d = self.drafter.draft(st.req_id, st.context())
+        if not d.length:
+            return -1
+        prev = st.latest
+        cont = _lcp_tail(prev.tokens, st.output_len - prev.position, d.token_ids) if prev is not None else 0
+        record = CacheDraftRecord(st.output_len, d.token_ids, "shadow" if shadow else "", 0.0, float("nan"),
+                                  self.version_id, b"")
+        row = rows.add(st, d, cont, st.history(), record, self.classes)
+        st.add_draft(record)
+        return row
+
+    def _record(self, rows: "_DraftRows", x: np.ndarray, predicted: np.ndarray, main_row: np.ndarray,
+                plan_source: np.ndarray, tau: np.ndarray) -> None:
+        decision_of_row = {int(r): (SOURCE_NAMES[int(plan_source[i])], float(tau[i]))
+                           for i, r in enumerate(main_row) if r >= 0}
+        for r, record in enumerate(rows.records):
+            record.predicted = float(predicted[r])
+            record.features = x[r].tobytes()
+            if r in decision_of_row:
+                record.decision, record.tau = decision_of_row[r]
+        self.stats.cache_drafts += rows.count
 
     def _emit_cache(self, st: RequestState, d: CacheDraftRecord) -> None:
+        if not d.features:  # labelled within the step that drafted it: wait for its features
+            self._deferred.append((st, d))
+            return
         self.events.put(LabelledEvent(self._clock(), st.tenant, st.workload, st.req_id, d.position, DRAFTER_CACHE,
                                       d.decision, len(d.tokens), int(d.label), d.predicted, d.tau, d.version_id,
                                       d.features))
+
+    def _emit_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        for st, d in deferred:
+            self._emit_cache(st, d)
 
     def _emit_model(self, st: RequestState, m: ModelDraftRecord, accepted: int) -> None:
         self.stats.model_drafts += 1
@@ -213,6 +233,46 @@ class Runtime:
         self.mu_e = self.decision.update_model_mean(self.mu_e, accepted)
         self.events.put(LabelledEvent(self._clock(), st.tenant, st.workload, st.req_id, m.position, DRAFTER_MODEL,
                                       "model", m.draft_len, accepted, None, None, self.version_id, None))
+
+
+class _DraftRows:
+    """Raw per-draft quantities of one step (main and shadow drafts), then one feature matrix."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.drafts: list[list[int]] = []
+        self.records: list[CacheDraftRecord] = []
+        self._tokens: list[int] = []
+        self._probs: list[float] = []
+        self._scalar: list[tuple] = []  # score, match, source, other x4, position, context, nesting, line start, workload
+        self._history: list[tuple] = []
+
+    def add(self, st: RequestState, d, cont: int, history: tuple, record: CacheDraftRecord,
+            classes: TokenClasses) -> int:
+        self.drafts.append(d.token_ids)
+        self.records.append(record)
+        self._tokens.extend(d.token_ids)
+        self._probs.extend(d.probs)
+        line_start = bool(classes.ends_line[st.out[-1]]) if st.out else False
+        self._scalar.append((d.score, d.match_len, d.source, d.other_score, d.other_len, d.trees_agree, cont,
+                             st.output_len, st.length, st.nesting, line_start, st.workload_index))
+        self._history.append(history)
+        self.count += 1
+        return self.count - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.fromiter((len(d) for d in self.drafts), dtype=np.int64, count=self.count)
+
+    def features(self, classes: TokenClasses) -> np.ndarray:
+        sc = np.array(self._scalar, dtype=np.float64)
+        hist = np.array(self._history, dtype=np.float64)
+        columns = DraftColumns(self.lengths, np.asarray(self._tokens, dtype=np.int32),
+                               np.asarray(self._probs, dtype=np.float32), sc[:, 0], sc[:, 1], sc[:, 2].astype(np.int8),
+                               sc[:, 3], sc[:, 4], sc[:, 5], sc[:, 6])
+        return draft_features(columns, positions=sc[:, 7], context_len=sc[:, 8], nesting=sc[:, 9],
+                              at_line_start=sc[:, 10], history=HistoryColumns(*(hist[:, j] for j in range(9))),
+                              workload=sc[:, 11].astype(np.int64), classes=classes)
 
 
 def _lcp_tail(prev: list[int], gap: int, cur: list[int]) -> int:

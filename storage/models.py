@@ -16,6 +16,7 @@ from sqlalchemy import (
     String,
     Text,
     TypeDecorator,
+    UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -139,3 +140,90 @@ class DecisionEvent(Base):
     tau: Mapped[float | None] = mapped_column(Float, nullable=True)
     predictor_version_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     features: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)  # float32 row
+
+
+class TauOverride(Base):
+    """An operator's override of tau for a tenant (optionally one workload of it). Never deleted:
+    clearing stamps cleared_at, so the table is its own audit trail."""
+
+    __tablename__ = "tau_overrides"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant: Mapped[str] = mapped_column(String(128), nullable=False, index=True)
+    workload: Mapped[str | None] = mapped_column(String(32), nullable=True)  # None: every workload of the tenant
+    mode: Mapped[str] = mapped_column(String(16), nullable=False)  # fixed | bounds | off_model | off_cache
+    tau: Mapped[float | None] = mapped_column(Float, nullable=True)
+    tau_min: Mapped[float | None] = mapped_column(Float, nullable=True)
+    tau_max: Mapped[float | None] = mapped_column(Float, nullable=True)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    author: Mapped[str] = mapped_column(String(128), nullable=False)
+    reason: Mapped[str] = mapped_column(Text, nullable=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, default=utcnow)
+    cleared_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    cleared_by: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    clear_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class TauHistory(Base):
+    """Every change of a workload's automatic tau: the goodput-rule value, the learned correction,
+    and the live estimates it came from."""
+
+    __tablename__ = "tau_history"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, index=True)
+    workload: Mapped[str] = mapped_column(String(32), nullable=False)
+    tau: Mapped[float] = mapped_column(Float, nullable=False)  # what the runtime uses (rule + correction)
+    rule_tau: Mapped[float] = mapped_column(Float, nullable=False)
+    correction: Mapped[float] = mapped_column(Float, nullable=False)
+    model_mean_accepted: Mapped[float] = mapped_column(Float, nullable=False)
+    reason: Mapped[str] = mapped_column(Text, nullable=False)
+    replica: Mapped[str] = mapped_column(String(64), nullable=False)
+
+
+class StatBucket(Base):
+    """Acceptance statistics per time bucket x tenant x workload x predictor version; rows are
+    added to (upsert), never rewritten, so several writers can share one table."""
+
+    __tablename__ = "stat_buckets"
+    __table_args__ = (UniqueConstraint("bucket_start", "tenant", "workload", "predictor_version_id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    bucket_start: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, index=True)
+    tenant: Mapped[str] = mapped_column(String(128), nullable=False)
+    workload: Mapped[str] = mapped_column(String(32), nullable=False)
+    predictor_version_id: Mapped[int] = mapped_column(Integer, nullable=False)  # 0: none
+    cache_drafts: Mapped[int] = mapped_column(Integer, nullable=False, default=0)  # labelled cache drafts
+    cache_verified: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    model_drafts: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    draft_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)  # verified draft tokens
+    accepted_tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    accepted_hist: Mapped[list[int]] = mapped_column(JSON, nullable=False)  # cache drafts by label 0..24
+    tp: Mapped[int] = mapped_column(Integer, nullable=False, default=0)  # at accepted length >= 6
+    fp: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    fn: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    tn: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    cycles: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    dropped_events: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+
+
+class DriftEvent(Base):
+    __tablename__ = "drift_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, index=True)
+    workload: Mapped[str] = mapped_column(String(32), nullable=False)
+    detector: Mapped[str] = mapped_column(String(32), nullable=False)
+    detail: Mapped[dict[str, Any]] = mapped_column(JSON, nullable=False)
+    predictor_version_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+class Lease(Base):
+    """A named lease (e.g. the learner's leadership) for databases without advisory locks."""
+
+    __tablename__ = "leases"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(128), nullable=False)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False)

@@ -63,9 +63,12 @@ def drain(queue: EventQueue) -> list[LabelledEvent]:
     return out
 
 
-def test_one_token_steps_reproduce_dense_replay_labels_and_features(records, tokenizer, gate):
+@pytest.mark.parametrize("tau", [1e9, -1.0], ids=["one-token-steps", "verify-every-cache-draft"])
+def test_runtime_reproduces_dense_replay_labels_and_features(records, tokenizer, gate, tau):
+    """Whatever the steps emit (one token, or a whole accepted draft), the runtime's drafts at every
+    output position (main and shadow) carry the labels and features of the offline dense replay."""
     dense = replay(records, tokenizer)
-    runtime = Runtime(gate, tokenizer.classes, DecisionConfig(fallback="none", fixed_tau=1e9))
+    runtime = Runtime(gate, tokenizer.classes, DecisionConfig(fallback="none", fixed_tau=tau))
     run_replay(runtime, records, tokenizer, DRAFTER, batch_size=1)
     events = drain(runtime.events)
     index = {r.trace_id: i for i, r in enumerate(records)}
@@ -75,7 +78,9 @@ def test_one_token_steps_reproduce_dense_replay_labels_and_features(records, tok
         j = row[(index[e.request_id], e.position)]
         assert (e.accepted, e.draft_len) == (dense.label[j], dense.draft_len[j])
         np.testing.assert_allclose(np.frombuffer(e.features, dtype=np.float32), dense.features[j], atol=1e-5)
-        assert e.decision == "none" and e.drafter == "cache"
+        assert e.drafter == "cache" and e.decision in ({"none"} if tau > 1e8 else {"cache", "shadow"})
+    if tau < 0:
+        assert runtime.stats.decisions["cache"] < len(events)  # multi-token steps: shadow drafts in between
 
 
 def test_hindsight_labels_with_batching_are_exact_lcps(records, tokenizer, gate, monkeypatch):

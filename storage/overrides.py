@@ -1,0 +1,325 @@
+"""Operator overrides of tau, per tenant and optionally per workload.
+
+HVD verifies a suffix-cache draft iff the predicted accepted length exceeds tau. tau is normally
+automatic per workload; an operator can override it for a tenant (all its workloads, or one):
+
+* ``fixed``      use ``tau`` as is;
+* ``bounds``     clip the automatic (or default) tau into ``[tau_min, tau_max]``;
+* ``off_model``  no hybrid: always the model drafter;
+* ``off_cache``  no hybrid: always the cache draft when there is one.
+
+Rows are never deleted: clearing or replacing an override stamps ``cleared_at``/``cleared_by``/
+``clear_reason``, so the table is its own audit trail. Repository functions take a caller-owned
+Session and only flush, never commit (as in ``storage.versions``).
+
+The hot path does not touch SQL: :func:`snapshot` loads the active overrides once into an
+:class:`OverrideSnapshot` of plain data, whose :meth:`OverrideSnapshot.resolve` is two dict lookups.
+Storage imports nothing from controller/predictor, so the known workloads are passed in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from numbers import Real
+
+from sqlalchemy import or_, select
+from sqlalchemy.orm import Session
+
+from storage.errors import StorageError
+from storage.models import TauOverride, utcnow
+
+MODES: tuple[str, ...] = ("fixed", "bounds", "off_model", "off_cache")
+TAU_MIN = -1.0  # below every prediction: always verify
+TAU_MAX = 24.0  # the longest draft: never verify
+MAX_NAME_LEN = 128  # tenant / author columns are String(128)
+MAX_WORKLOAD_LEN = 32
+
+SOURCE_TENANT_WORKLOAD = "override:tenant+workload"
+SOURCE_TENANT = "override:tenant"
+SOURCE_AUTO = "auto"
+SOURCE_DEFAULT = "default"
+MODE_AUTO = "auto"  # EffectiveTau.mode when no override applies
+
+
+class OverrideError(StorageError, ValueError):
+    """An override the storage layer refuses, with a message naming the offending field."""
+
+
+@dataclass(frozen=True)
+class OverrideSpec:
+    """What an operator asks for; validated by :func:`validate_spec` before it is stored."""
+
+    tenant: str
+    workload: str | None
+    mode: str
+    tau: float | None = None
+    tau_min: float | None = None
+    tau_max: float | None = None
+    expires_at: datetime | None = None
+    author: str = ""
+    reason: str = ""
+
+
+def _check_name(field: str, value: object, max_len: int | None = MAX_NAME_LEN) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise OverrideError(f"{field} must be a non-empty string, got {value!r}")
+    if max_len is not None and len(value) > max_len:
+        raise OverrideError(f"{field} is {len(value)} characters long; at most {max_len} allowed")
+
+
+def _check_tau(field: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise OverrideError(f"{field} must be a number, got {value!r}")
+    v = float(value)
+    if not math.isfinite(v):
+        raise OverrideError(f"{field} is {v!r}; tau must be a finite number")
+    if not TAU_MIN <= v <= TAU_MAX:
+        raise OverrideError(f"{field} = {v:g} is outside [{TAU_MIN:g}, {TAU_MAX:g}]")
+
+
+def _check_aware(field: str, value: datetime) -> None:
+    if not isinstance(value, datetime):
+        raise OverrideError(f"{field} must be a datetime, got {value!r}")
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise OverrideError(f"{field} {value.isoformat()} is naive; a timezone-aware datetime is required")
+
+
+def validate_spec(spec: OverrideSpec, known_workloads: Sequence[str], now: datetime) -> None:
+    """Raise :class:`OverrideError` naming the first bad field; return None if the spec is storable."""
+    _check_name("tenant", spec.tenant)
+    if spec.workload is not None and spec.workload not in known_workloads:
+        raise OverrideError(
+            f"workload {spec.workload!r} is unknown; expected one of {', '.join(known_workloads)} "
+            "(or none for every workload of the tenant)"
+        )
+    if spec.mode not in MODES:
+        raise OverrideError(f"mode {spec.mode!r} is unknown; expected one of {', '.join(MODES)}")
+    if spec.mode == "fixed":
+        if spec.tau is None:
+            raise OverrideError("tau is required for mode 'fixed'")
+        _check_tau("tau", spec.tau)
+        if spec.tau_min is not None or spec.tau_max is not None:
+            raise OverrideError("tau_min/tau_max are only for mode 'bounds', not 'fixed'")
+    elif spec.mode == "bounds":
+        if spec.tau_min is None or spec.tau_max is None:
+            raise OverrideError("mode 'bounds' needs both tau_min and tau_max")
+        _check_tau("tau_min", spec.tau_min)
+        _check_tau("tau_max", spec.tau_max)
+        if spec.tau_min > spec.tau_max:
+            raise OverrideError(f"tau_min = {spec.tau_min:g} is greater than tau_max = {spec.tau_max:g}")
+        if spec.tau is not None:
+            raise OverrideError("tau is not allowed for mode 'bounds' (use tau_min/tau_max)")
+    else:
+        for field in ("tau", "tau_min", "tau_max"):
+            if getattr(spec, field) is not None:
+                raise OverrideError(f"{field} is not allowed for mode {spec.mode!r}: it turns the gate off")
+    if spec.expires_at is not None:
+        _check_aware("expires_at", spec.expires_at)
+        _check_aware("now", now)
+        if spec.expires_at <= now:
+            raise OverrideError(
+                f"expires_at {spec.expires_at.isoformat()} is not in the future (now is {now.isoformat()})"
+            )
+    _check_name("author", spec.author)
+    _check_name("reason", spec.reason, max_len=None)
+
+
+def _active_clause(now: datetime):
+    return (TauOverride.cleared_at.is_(None)) & or_(TauOverride.expires_at.is_(None), TauOverride.expires_at > now)
+
+
+def _key_clause(tenant: str, workload: str | None):
+    wl = TauOverride.workload.is_(None) if workload is None else TauOverride.workload == workload
+    return (TauOverride.tenant == tenant) & wl
+
+
+def _where(tenant: str, workload: str | None) -> str:
+    return f"tenant {tenant!r}" + (f" (workload {workload!r})" if workload is not None else " (all workloads)")
+
+
+def set_override(
+    session: Session, spec: OverrideSpec, known_workloads: Sequence[str], now: datetime | None = None
+) -> TauOverride:
+    """Validate and store ``spec``, replacing (clearing) any active override for the same key."""
+    now = utcnow() if now is None else now
+    _check_aware("now", now)
+    validate_spec(spec, known_workloads, now)
+    # Lock the rows we replace on PostgreSQL, so two concurrent replacements serialise.
+    previous = list(
+        session.scalars(
+            select(TauOverride)
+            .where(_key_clause(spec.tenant, spec.workload), _active_clause(now))
+            .order_by(TauOverride.id)
+            .with_for_update()
+        )
+    )
+    row = TauOverride(
+        tenant=spec.tenant,
+        workload=spec.workload,
+        mode=spec.mode,
+        tau=None if spec.tau is None else float(spec.tau),
+        tau_min=None if spec.tau_min is None else float(spec.tau_min),
+        tau_max=None if spec.tau_max is None else float(spec.tau_max),
+        expires_at=spec.expires_at,
+        author=spec.author,
+        reason=spec.reason,
+        created_at=now,
+    )
+    session.add(row)
+    session.flush()
+    for old in previous:
+        old.cleared_at = now
+        old.cleared_by = spec.author
+        old.clear_reason = f"replaced by #{row.id}"
+    session.flush()
+    return row
+
+
+def clear_override(
+    session: Session,
+    tenant: str,
+    workload: str | None,
+    author: str,
+    reason: str,
+    now: datetime | None = None,
+) -> int:
+    """Clear the active override for (tenant, workload); returns how many rows were cleared (>= 1)."""
+    now = utcnow() if now is None else now
+    _check_aware("now", now)
+    _check_name("tenant", tenant)
+    _check_name("author", author)
+    _check_name("reason", reason, max_len=None)
+    rows = list(
+        session.scalars(
+            select(TauOverride).where(_key_clause(tenant, workload), _active_clause(now)).with_for_update()
+        )
+    )
+    if not rows:
+        raise OverrideError(f"no active override for {_where(tenant, workload)}")
+    for row in rows:
+        row.cleared_at = now
+        row.cleared_by = author
+        row.clear_reason = reason
+    session.flush()
+    return len(rows)
+
+
+def list_overrides(
+    session: Session, include_inactive: bool = False, now: datetime | None = None
+) -> list[TauOverride]:
+    """Overrides oldest first; only active ones (not cleared, not expired) unless ``include_inactive``."""
+    now = utcnow() if now is None else now
+    stmt = select(TauOverride).order_by(TauOverride.id)
+    if not include_inactive:
+        _check_aware("now", now)
+        stmt = stmt.where(_active_clause(now))
+    return list(session.scalars(stmt))
+
+
+def override_state(row: TauOverride, now: datetime) -> str:
+    """'active', 'expired' or 'cleared' (clearing wins over expiry)."""
+    if row.cleared_at is not None:
+        return "cleared"
+    if row.expires_at is not None and row.expires_at <= now:
+        return "expired"
+    return "active"
+
+
+# --- resolution: plain data, no SQL ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ActiveOverride:
+    tenant: str
+    workload: str | None
+    mode: str
+    tau: float | None
+    tau_min: float | None
+    tau_max: float | None
+    expires_at: datetime | None
+    id: int
+
+    @classmethod
+    def from_row(cls, row: TauOverride) -> ActiveOverride:
+        return cls(row.tenant, row.workload, row.mode, row.tau, row.tau_min, row.tau_max, row.expires_at, row.id)
+
+
+@dataclass(frozen=True, slots=True)
+class EffectiveTau:
+    """The tau a request uses and why. ``source``: override:tenant+workload | override:tenant | auto |
+    default. ``mode``: an override mode, or 'auto' when no override applies. ``tau`` is None for the
+    off_* modes (the gate is bypassed)."""
+
+    source: str
+    mode: str
+    tau: float | None
+    expires_at: datetime | None = None
+    override_id: int | None = None
+
+
+class OverrideSnapshot:
+    """Active overrides as plain data, resolved with dict lookups (per request, per decoding step).
+
+    If several overrides share a (tenant, workload) key (only possible through a concurrent write
+    race), the newest (highest id) wins.
+    """
+
+    __slots__ = ("_by_key", "_fixed")
+
+    def __init__(self, overrides: Iterable[ActiveOverride] = ()) -> None:
+        by_key: dict[tuple[str, str | None], ActiveOverride] = {}
+        for o in overrides:
+            if o.mode not in MODES:
+                raise OverrideError(f"override #{o.id}: mode {o.mode!r} is unknown")
+            key = (o.tenant, o.workload)
+            if key not in by_key or by_key[key].id < o.id:
+                by_key[key] = o
+        self._by_key = by_key
+        # Results that do not depend on auto/default tau, built once.
+        self._fixed: dict[int, EffectiveTau] = {}
+        for (_, workload), o in by_key.items():
+            if o.mode != "bounds":
+                source = SOURCE_TENANT if workload is None else SOURCE_TENANT_WORKLOAD
+                tau = o.tau if o.mode == "fixed" else None
+                self._fixed[o.id] = EffectiveTau(source, o.mode, tau, o.expires_at, o.id)
+
+    @property
+    def overrides(self) -> tuple[ActiveOverride, ...]:
+        return tuple(sorted(self._by_key.values(), key=lambda o: o.id))
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def resolve(
+        self, tenant: str, workload: str | None, auto_tau: float | None, default_tau: float, now: datetime
+    ) -> EffectiveTau:
+        """tenant+workload override > tenant override > automatic tau of the workload > default.
+
+        Overrides that have expired by ``now`` are skipped even though still in the snapshot.
+        """
+        by_key = self._by_key
+        if by_key:
+            o = by_key.get((tenant, workload)) if workload is not None else None
+            if o is None or (o.expires_at is not None and o.expires_at <= now):
+                o = by_key.get((tenant, None))
+                if o is not None and o.expires_at is not None and o.expires_at <= now:
+                    o = None
+            if o is not None:
+                fixed = self._fixed.get(o.id)
+                if fixed is not None:
+                    return fixed
+                base = default_tau if auto_tau is None else auto_tau
+                tau = o.tau_min if base < o.tau_min else (o.tau_max if base > o.tau_max else base)
+                source = SOURCE_TENANT if o.workload is None else SOURCE_TENANT_WORKLOAD
+                return EffectiveTau(source, "bounds", tau, o.expires_at, o.id)
+        if auto_tau is not None:
+            return EffectiveTau(SOURCE_AUTO, MODE_AUTO, auto_tau)
+        return EffectiveTau(SOURCE_DEFAULT, MODE_AUTO, default_tau)
+
+
+def snapshot(session: Session, now: datetime | None = None) -> OverrideSnapshot:
+    """Load the overrides active at ``now`` as plain data (reload periodically; resolve checks expiry)."""
+    return OverrideSnapshot(ActiveOverride.from_row(r) for r in list_overrides(session, now=now))

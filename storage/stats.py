@@ -1,0 +1,227 @@
+"""Acceptance statistics: a pure in-memory aggregator and an additive upsert into `stat_buckets`.
+
+Rows are only ever *added to*: each writer aggregates its events into per-key deltas and upserts
+them with ``INSERT ... ON CONFLICT (key) DO UPDATE SET col = col + excluded.col``; the JSON
+histogram is merged elementwise inside the same statement (``json_build_array`` on PostgreSQL,
+``json_array`` on SQLite), so several writers (threads, processes, replicas) can share one table
+without read-modify-write races.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from datetime import datetime, timezone
+from typing import Protocol
+
+from sqlalchemy import delete, literal_column, select
+from sqlalchemy.orm import Session
+
+from storage.models import DecisionEvent, StatBucket
+
+BUCKET_SECONDS = 60
+LONG = 6  # "long" accepted length: the confusion matrix's positive class
+HIST_BINS = 25  # accepted_hist labels 0..24 (24 = 24 or more)
+ALL = "*"  # tenant/workload of rows that are not about one tenant (dropped events)
+UPSERT_CHUNK = 500  # rows per statement (SQLite's bound-parameter limit)
+
+COUNTERS = ("cache_drafts", "cache_verified", "model_drafts", "draft_tokens", "accepted_tokens",
+            "tp", "fp", "fn", "tn", "tokens", "cycles", "dropped_events")
+KEY_COLUMNS = ("bucket_start", "tenant", "workload", "predictor_version_id")
+
+BucketKey = tuple[datetime, str, str, int]
+
+
+class EventLike(Protocol):
+    at: float
+    tenant: str
+    workload: str
+    drafter: str
+    decision: str
+    draft_len: int
+    accepted: int
+    predicted: float | None
+    predictor_version_id: int | None
+
+
+@dataclass
+class BucketDelta:
+    cache_drafts: int = 0
+    cache_verified: int = 0
+    model_drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    tp: int = 0
+    fp: int = 0
+    fn: int = 0
+    tn: int = 0
+    tokens: int = 0
+    cycles: int = 0
+    dropped_events: int = 0
+    accepted_hist: list[int] = field(default_factory=lambda: [0] * HIST_BINS)
+
+    def merge(self, other: "BucketDelta") -> "BucketDelta":
+        """Add `other` into self (in place); returns self."""
+        for name in COUNTERS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.accepted_hist = [a + b for a, b in zip(self.accepted_hist, other.accepted_hist)]
+        return self
+
+    def copy(self) -> "BucketDelta":
+        return BucketDelta(**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "accepted_hist"},
+                           accepted_hist=list(self.accepted_hist))
+
+    def is_zero(self) -> bool:
+        return not any(getattr(self, name) for name in COUNTERS) and not any(self.accepted_hist)
+
+
+def bucket_start(at: float, bucket_seconds: int = BUCKET_SECONDS) -> datetime:
+    """Start (UTC, aware) of the bucket containing unix time `at`."""
+    return datetime.fromtimestamp(math.floor(at / bucket_seconds) * bucket_seconds, tz=timezone.utc)
+
+
+def _delta(deltas: dict[BucketKey, BucketDelta], key: BucketKey) -> BucketDelta:
+    d = deltas.get(key)
+    if d is None:
+        d = deltas[key] = BucketDelta()
+    return d
+
+
+def aggregate_into(deltas: dict[BucketKey, BucketDelta], events: Iterable[EventLike],
+                   bucket_seconds: int = BUCKET_SECONDS) -> dict[BucketKey, BucketDelta]:
+    """Add `events` into an existing delta map (in place); returns it."""
+    for e in events:
+        key = (bucket_start(e.at, bucket_seconds), e.tenant, e.workload, e.predictor_version_id or 0)
+        d = _delta(deltas, key)
+        if e.drafter == "cache":
+            d.cache_drafts += 1
+            d.accepted_hist[min(max(int(e.accepted), 0), HIST_BINS - 1)] += 1
+            # No prediction (gate not consulted): not part of the predictor's confusion matrix.
+            if e.predicted is not None:
+                actual = e.accepted >= LONG
+                predicted = e.predicted >= LONG
+                if predicted and actual:
+                    d.tp += 1
+                elif predicted:
+                    d.fp += 1
+                elif actual:
+                    d.fn += 1
+                else:
+                    d.tn += 1
+            if e.decision == "cache":
+                d.cache_verified += 1
+                d.draft_tokens += e.draft_len
+                d.accepted_tokens += e.accepted
+        elif e.drafter == "model":
+            d.model_drafts += 1
+            d.draft_tokens += e.draft_len
+            d.accepted_tokens += e.accepted
+        else:
+            raise ValueError(f"unknown drafter {e.drafter!r}")
+    return deltas
+
+
+def aggregate(events: Iterable[EventLike], bucket_seconds: int = BUCKET_SECONDS) -> dict[BucketKey, BucketDelta]:
+    """Per (bucket_start, tenant, workload, predictor_version_id or 0) counters of `events`."""
+    return aggregate_into({}, events, bucket_seconds)
+
+
+def add_steps(deltas: dict[BucketKey, BucketDelta], at: float, tenant: str, workload: str, version: int | None,
+              tokens: int, cycles: int, bucket_seconds: int = BUCKET_SECONDS) -> None:
+    """Add a step's emitted tokens and verification cycles for one (tenant, workload)."""
+    d = _delta(deltas, (bucket_start(at, bucket_seconds), tenant, workload, version or 0))
+    d.tokens += tokens
+    d.cycles += cycles
+
+
+def add_dropped(deltas: dict[BucketKey, BucketDelta], at: float, count: int,
+                bucket_seconds: int = BUCKET_SECONDS) -> None:
+    """Record `count` events dropped before aggregation, under tenant "*" and workload "*"."""
+    if count:
+        _delta(deltas, (bucket_start(at, bucket_seconds), ALL, ALL, 0)).dropped_events += count
+
+
+def merge_deltas(into: dict[BucketKey, BucketDelta], other: Mapping[BucketKey, BucketDelta]) -> dict[BucketKey, BucketDelta]:
+    """Sum `other` into `into` (in place; `other`'s deltas are copied, never aliased)."""
+    for key, d in other.items():
+        if key in into:
+            into[key].merge(d)
+        else:
+            into[key] = d.copy()
+    return into
+
+
+def _hist_merge_sql(dialect: str) -> str:
+    t = StatBucket.__tablename__
+    if dialect == "postgresql":
+        parts = [f"COALESCE(({t}.accepted_hist->>{i})::bigint, 0) + COALESCE((excluded.accepted_hist->>{i})::bigint, 0)"
+                 for i in range(HIST_BINS)]
+        return f"json_build_array({', '.join(parts)})"
+    if dialect == "sqlite":
+        parts = [f"COALESCE(json_extract({t}.accepted_hist, '$[{i}]'), 0) + "
+                 f"COALESCE(json_extract(excluded.accepted_hist, '$[{i}]'), 0)" for i in range(HIST_BINS)]
+        return f"json_array({', '.join(parts)})"
+    raise NotImplementedError(f"upsert_buckets supports postgresql and sqlite, not {dialect}")
+
+
+def upsert_buckets(session: Session, deltas: Mapping[BucketKey, BucketDelta]) -> int:
+    """Add `deltas` to their rows (creating missing ones) in the session's transaction.
+
+    One INSERT ... ON CONFLICT DO UPDATE statement per chunk of rows; keys are sorted so concurrent
+    writers lock rows in the same order (no deadlock between them on PostgreSQL). Returns the number
+    of keys written. Atomic per row on both backends, so concurrent writers never lose an update.
+    """
+    rows = []
+    for key in sorted(deltas, key=lambda k: (k[0], k[1], k[2], k[3])):
+        d = deltas[key]
+        if d.is_zero():
+            continue
+        if len(d.accepted_hist) != HIST_BINS:
+            raise ValueError(f"accepted_hist must have {HIST_BINS} bins, got {len(d.accepted_hist)}")
+        row = dict(zip(KEY_COLUMNS, key))
+        row.update({name: int(getattr(d, name)) for name in COUNTERS})
+        row["accepted_hist"] = [int(x) for x in d.accepted_hist]
+        rows.append(row)
+    if not rows:
+        return 0
+    dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    elif dialect == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert
+    else:
+        raise NotImplementedError(f"upsert_buckets supports postgresql and sqlite, not {dialect}")
+    hist_sql = literal_column(_hist_merge_sql(dialect))
+    table = StatBucket.__table__
+    for i in range(0, len(rows), UPSERT_CHUNK):
+        stmt = insert(table).values(rows[i:i + UPSERT_CHUNK])
+        set_ = {name: table.c[name] + stmt.excluded[name] for name in COUNTERS}
+        set_["accepted_hist"] = hist_sql
+        session.execute(stmt.on_conflict_do_update(index_elements=list(KEY_COLUMNS), set_=set_))
+    return len(rows)
+
+
+def read_buckets(session: Session, since: datetime | None = None, tenant: str | None = None,
+                 workload: str | None = None) -> list[StatBucket]:
+    """Bucket rows (bucket_start >= since, optionally one tenant/workload), oldest first."""
+    stmt = select(StatBucket).order_by(StatBucket.bucket_start, StatBucket.tenant, StatBucket.workload,
+                                       StatBucket.predictor_version_id)
+    if since is not None:
+        stmt = stmt.where(StatBucket.bucket_start >= since)
+    if tenant is not None:
+        stmt = stmt.where(StatBucket.tenant == tenant)
+    if workload is not None:
+        stmt = stmt.where(StatBucket.workload == workload)
+    return list(session.scalars(stmt))
+
+
+def prune_events(session: Session, keep_last: int) -> int:
+    """Delete the oldest decision events beyond the newest `keep_last` (by id); returns the count."""
+    if keep_last < 0:
+        raise ValueError(f"keep_last must be >= 0, got {keep_last}")
+    # The id of the newest event to delete: the (keep_last+1)-th newest.
+    cutoff = session.scalar(select(DecisionEvent.id).order_by(DecisionEvent.id.desc()).offset(keep_last).limit(1))
+    if cutoff is None:
+        return 0
+    result = session.execute(delete(DecisionEvent).where(DecisionEvent.id <= cutoff))
+    return int(result.rowcount or 0)
