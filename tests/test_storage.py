@@ -42,7 +42,8 @@ from storage.versions import (
 PG_URL = os.environ.get(
     "HVD_TEST_POSTGRES_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
 )
-TABLES = {"predictor_versions", "aliases", "alias_events", "decision_events"}
+TABLES = {"predictor_versions", "aliases", "alias_events", "decision_events", "tau_overrides", "tau_history",
+          "stat_buckets", "drift_events", "leases"}
 SCHEMA_HASH = "a" * 64
 
 
@@ -113,7 +114,7 @@ def _new_version(session, blob: bytes = b"weights", **overrides) -> PredictorVer
 def test_upgrade_creates_tables_matching_models(engine: Engine) -> None:
     assert current_revision(engine) is None
     upgrade(engine)
-    assert current_revision(engine) == head_revision() == "0002"
+    assert current_revision(engine) == head_revision() == "0003"
     assert TABLES <= set(inspect(engine).get_table_names())
     with engine.connect() as conn:
         ctx = MigrationContext.configure(conn, opts={"compare_type": True})
@@ -124,11 +125,11 @@ def test_upgrade_creates_tables_matching_models(engine: Engine) -> None:
 def test_upgrade_is_idempotent(engine: Engine) -> None:
     upgrade(engine)
     upgrade(engine)
-    assert current_revision(engine) == "0002"
+    assert current_revision(engine) == "0003"
 
 
 def test_downgrade_one_step_keeps_earlier_data(engine: Engine) -> None:
-    """0002 -> 0001 drops only the decision events; stored predictor versions survive."""
+    """Down to 0001 drops the later tables only; stored predictor versions survive."""
     upgrade(engine)
     with session_scope(engine) as s:
         v = create_version(s, blob=b"abc", kind="mlp", feature_schema_hash="h", metrics={}, training_summary={},
@@ -136,7 +137,7 @@ def test_downgrade_one_step_keeps_earlier_data(engine: Engine) -> None:
         vid = v.id
     downgrade(engine, "0001")
     assert current_revision(engine) == "0001"
-    assert "decision_events" not in set(inspect(engine).get_table_names())
+    assert not (TABLES - {"predictor_versions", "aliases", "alias_events"}) & set(inspect(engine).get_table_names())
     with session_scope(engine) as s:
         assert get_version(s, vid).blob == b"abc"
     upgrade(engine)
@@ -156,7 +157,7 @@ def test_upgrade_accepts_url(db_url: str) -> None:
     upgrade(db_url)
     eng = make_engine(db_url)
     try:
-        assert current_revision(eng) == "0002"
+        assert current_revision(eng) == "0003"
     finally:
         eng.dispose()
 
@@ -168,7 +169,7 @@ def test_cli_alembic_ini(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     command.upgrade(Config(str(ini)), "head")
     eng = make_engine(url)
     try:
-        assert current_revision(eng) == "0002"
+        assert current_revision(eng) == "0003"
     finally:
         eng.dispose()
 
