@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+from controller import cli_overrides
+
 DESCRIPTION = """Hybrid Verified Decoding: a learned gate that decides, per decoding step, whether to verify
 the suffix cache's draft or fall back to a model drafter.
 
@@ -64,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("versions", help="list stored predictor versions and aliases",
                    description="One line per predictor version: id, parent, creation time, test metrics; * marks the champion.")
     sub.add_parser("migrate", help="bring the database schema up to date (every command does this itself)")
+    cli_overrides.add_parser(sub)
     return p
 
 
@@ -157,7 +160,8 @@ def _serve(args: argparse.Namespace, engine) -> int:
     return 0
 
 
-_COMMANDS = {"warmstart": _warmstart, "eval": _eval, "serve": _serve, "versions": _versions, "migrate": _migrate}
+_COMMANDS = {"warmstart": _warmstart, "eval": _eval, "serve": _serve, "versions": _versions, "migrate": _migrate,
+             "override": cli_overrides.run}
 
 if __name__ == "__main__":
     sys.exit(main())

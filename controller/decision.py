@@ -64,36 +64,47 @@ def effective_cost(config: DecisionConfig, batch: int) -> CostProfile:
     return config.cost.per_request(batch)
 
 
-def model_beats_plain(mu_e: float, config: DecisionConfig, batch: int = 1) -> bool:
-    """The goodput rule applied to the fallback itself: a model drafter that accepts too little
-    (a random head, a workload it was not trained on) loses to plain decoding."""
-    cost = effective_cost(config, batch)
-    return (mu_e + 1.0) / model_step_ms(cost, config.model_draft_len) > 1.0 / cost.target_ms(1)
-
-
-def thresholds(cache_len: np.ndarray, mu_e: float, config: DecisionConfig, fallback: str) -> np.ndarray:
+def fallback_sources(mu_e: np.ndarray, config: DecisionConfig, batch: int) -> np.ndarray:
+    """Per request, what a step does without the cache draft: the model drafter, unless the goodput
+    rule says plain decoding beats it (a random head, a workload it was not trained on), or the
+    configuration says none, or a cache-only back-off is in force."""
+    n = len(mu_e)
+    if config.fallback == "none" or (config.over_limit(batch) and config.backoff == "cache_only"):
+        return np.full(n, NONE, dtype=np.int8)
     if config.fixed_tau is not None:
-        return np.full(len(cache_len), config.fixed_tau, dtype=np.float64)
-    cost = effective_cost(config, max(len(cache_len), 1))
-    if fallback == "none":
-        return cost.target_ms(1 + np.asarray(cache_len, dtype=np.float64)) / cost.target_ms(1) - 1.0
-    return tau_star(cache_len, mu_e, config.model_draft_len, cost)
+        return np.full(n, MODEL, dtype=np.int8)
+    cost = effective_cost(config, batch)
+    beats = (np.asarray(mu_e) + 1.0) / model_step_ms(cost, config.model_draft_len) > 1.0 / cost.target_ms(1)
+    return np.where(beats, MODEL, NONE).astype(np.int8)
 
 
-def decide(predicted: np.ndarray, cache_len: np.ndarray, mu_e: float, config: DecisionConfig,
-           allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(source per request, tau per request); tau is NaN where no cache draft was scored."""
+def rule_thresholds(cache_len: np.ndarray, mu_e: np.ndarray, fallback: np.ndarray, config: DecisionConfig) -> np.ndarray:
+    """tau from the goodput rule, per request: against the model drafter (with its live mean
+    accepted length) or against a plain step."""
     n = len(cache_len)
-    fallback = config.fallback
-    if config.over_limit(n) and config.backoff == "cache_only":
-        fallback = "none"
-    if fallback == "model" and config.fixed_tau is None and not model_beats_plain(mu_e, config, max(n, 1)):
-        fallback = "none"
-    tau = thresholds(cache_len, mu_e, config, fallback)
+    if config.fixed_tau is not None:
+        return np.full(n, config.fixed_tau, dtype=np.float64)
+    cost = effective_cost(config, max(n, 1))
+    k = np.asarray(cache_len, dtype=np.float64)
+    against_plain = cost.target_ms(1 + k) / cost.target_ms(1) - 1.0
+    against_model = tau_star(k, np.asarray(mu_e, dtype=np.float64), config.model_draft_len, cost)
+    return np.where(fallback == MODEL, against_model, against_plain)
+
+
+OFF_NONE, OFF_MODEL, OFF_CACHE = 0, 1, 2  # hybrid switched off by an override: always model / always cache
+
+
+def decide(predicted: np.ndarray, cache_len: np.ndarray, tau: np.ndarray, fallback: np.ndarray,
+           allowed: np.ndarray, off: np.ndarray | None = None) -> np.ndarray:
+    """Source per request: the cache draft iff there is one and its prediction beats tau; else the
+    fallback. Overrides can switch the hybrid off per request; opted-out requests get none."""
     has = np.asarray(cache_len) > 0
     with np.errstate(invalid="ignore"):
         verify_cache = has & (predicted > tau)
-    fallback_source = MODEL if fallback == "model" else NONE
-    source = np.where(verify_cache, CACHE, fallback_source).astype(np.int8)
+    source = np.where(verify_cache, CACHE, fallback).astype(np.int8)
+    if off is not None:
+        source[off == OFF_MODEL] = MODEL
+        source[(off == OFF_CACHE) & has] = CACHE
+        source[(off == OFF_CACHE) & ~has] = NONE
     source[~np.asarray(allowed, dtype=bool)] = NONE
-    return source, np.where(has, tau, np.nan).astype(np.float32)
+    return source

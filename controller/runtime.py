@@ -12,12 +12,14 @@ events go onto a bounded queue and never wait for SQL.
 from __future__ import annotations
 
 import time
+from datetime import datetime, timezone
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from controller.decision import CACHE, MODEL, SOURCE_NAMES, DecisionConfig, decide
+from controller.decision import (CACHE, MODEL, OFF_CACHE, OFF_MODEL, SOURCE_NAMES, DecisionConfig, decide,
+                                 fallback_sources, rule_thresholds)
 from controller.events import DRAFTER_CACHE, DRAFTER_MODEL, EventQueue, LabelledEvent
 from controller.request_state import CacheDraftRecord, ModelDraftRecord, RequestState
 from predictor.cache_drafter import CacheDrafter, SuffixConfig
@@ -25,6 +27,7 @@ from predictor.features import DraftColumns, HistoryColumns, draft_features
 from predictor.mlp import GatePredictor
 from predictor.tokens import TokenClasses
 from predictor.traces import WORKLOADS
+from storage.overrides import OverrideSnapshot
 
 
 class RuntimeError_(RuntimeError):
@@ -84,8 +87,14 @@ class Runtime:
         self.drafter = drafter_factory(suffix)
         self.requests: dict[str, RequestState] = {}
         self.stats = RuntimeStats()
-        self.mu_e = self.decision.initial_model_accepted  # running mean accepted length of the model drafter
+        # Live mean accepted length of the model drafter, per workload.
+        self.mu_e = {w: self.decision.initial_model_accepted for w in WORKLOADS}
+        self.controls = Controls()
         self._clock = clock
+
+    def set_controls(self, controls: "Controls") -> None:
+        """New learned corrections and overrides (from the control poller), used from the next step."""
+        self.controls = controls
 
     def set_gate(self, gate: GatePredictor, version_id: int | None) -> None:
         """Swap the predictor between steps (a new champion); in-flight drafts keep their version."""
@@ -117,7 +126,7 @@ class Runtime:
             predicted[has_row] = row_pred[main_row[has_row]]
             predicted[lengths == 0] = np.nan
         allowed = np.array([st.speculate for st in states], dtype=bool) & speculating
-        plan_source, tau = decide(predicted, lengths, self.mu_e, self.decision, allowed)
+        plan_source, tau = self._decide(states, predicted, lengths, allowed)
         if rows.count:
             self._record(rows, x, row_pred, main_row, plan_source, tau)
         self._emit_deferred()
@@ -189,6 +198,33 @@ class Runtime:
                 self._draft_row(st, rows, shadow=True)
         return st
 
+    def _decide(self, states: list[RequestState], predicted: np.ndarray, lengths: np.ndarray,
+                allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """tau per request: the goodput rule with its workload's live model-drafter estimate, plus
+        the learned correction of that workload, then the tenant's overrides (precedence
+        tenant+workload > tenant > workload auto > default); then the decision."""
+        n = len(states)
+        controls = self.controls
+        mu = np.array([self.mu_e[st.workload] for st in states], dtype=np.float64)
+        fallback = fallback_sources(mu, self.decision, n)
+        tau = rule_thresholds(lengths, mu, fallback, self.decision)
+        if controls.corrections and self.decision.fixed_tau is None:
+            tau = tau + np.array([controls.corrections.get(st.workload, 0.0) for st in states])
+        off = None
+        if len(controls.overrides):
+            now = datetime.now(timezone.utc)
+            off = np.zeros(n, dtype=np.int8)
+            for i, st in enumerate(states):
+                eff = controls.overrides.resolve(st.tenant, st.workload, float(tau[i]), float(tau[i]), now)
+                if eff.mode == "off_model":
+                    off[i] = OFF_MODEL
+                elif eff.mode == "off_cache":
+                    off[i] = OFF_CACHE
+                elif eff.tau is not None:
+                    tau[i] = eff.tau
+        source = decide(predicted, lengths, tau, fallback, allowed, off)
+        return source, np.where(lengths > 0, tau, np.nan).astype(np.float32)
+
     def _draft_row(self, st: RequestState, rows: "_DraftRows", shadow: bool) -> int:
         """Draft at the request's current position; the draft joins its history at once (later
         positions of this step see it), its features and prediction are filled in per batch."""
@@ -230,9 +266,18 @@ class Runtime:
     def _emit_model(self, st: RequestState, m: ModelDraftRecord, accepted: int) -> None:
         self.stats.model_drafts += 1
         self.stats.model_accepted += accepted
-        self.mu_e = self.decision.update_model_mean(self.mu_e, accepted)
+        self.mu_e[st.workload] = self.decision.update_model_mean(self.mu_e[st.workload], accepted)
         self.events.put(LabelledEvent(self._clock(), st.tenant, st.workload, st.req_id, m.position, DRAFTER_MODEL,
                                       "model", m.draft_len, accepted, None, None, self.version_id, None))
+
+
+@dataclass(frozen=True)
+class Controls:
+    """What the control plane tells a running runtime: per-workload corrections to the rule's tau
+    (learned by the leader) and the active overrides. Swapped whole, never mutated."""
+
+    corrections: dict[str, float] = field(default_factory=dict)
+    overrides: OverrideSnapshot = field(default_factory=OverrideSnapshot)
 
 
 class _DraftRows:

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from numbers import Real
+from typing import NamedTuple
 
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
@@ -247,11 +248,11 @@ class ActiveOverride:
         return cls(row.tenant, row.workload, row.mode, row.tau, row.tau_min, row.tau_max, row.expires_at, row.id)
 
 
-@dataclass(frozen=True, slots=True)
-class EffectiveTau:
+class EffectiveTau(NamedTuple):
     """The tau a request uses and why. ``source``: override:tenant+workload | override:tenant | auto |
     default. ``mode``: an override mode, or 'auto' when no override applies. ``tau`` is None for the
-    off_* modes (the gate is bypassed)."""
+    off_* modes (the gate is bypassed). A NamedTuple (immutable) because it is built per decoding
+    step and is ~4x cheaper to construct than a frozen dataclass."""
 
     source: str
     mode: str

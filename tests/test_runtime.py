@@ -139,7 +139,8 @@ def test_model_acceptance_recorded_from_next_step_tokens(tokenizer, gate):
     runtime.step([RequestInput("a", [6, 7, 8], workload="chat")])  # 2 accepted + bonus
     events = [e for e in drain(runtime.events) if e.drafter == "model"]
     assert [(e.position, e.accepted, e.draft_len) for e in events] == [(1, 2, 3)]
-    assert runtime.mu_e == pytest.approx(0.99 * 0.75 + 0.01 * 2)
+    assert runtime.mu_e["chat"] == pytest.approx(0.99 * 0.75 + 0.01 * 2)
+    assert runtime.mu_e["sql"] == 0.75
 
 
 def test_bad_requests_are_clear_errors(tokenizer, gate):
@@ -181,3 +182,38 @@ def test_events_reach_sql_in_batches(tmp_path, records, tokenizer, gate):
         assert first.tenant.startswith("tenant-") and first.workload in {r.workload for r in records[:6]}
         cache_rows = count_events(session, drafter="cache")
     assert cache_rows == runtime.stats.cache_drafts
+
+
+def test_overrides_and_corrections_reach_the_decision(tokenizer):
+    from datetime import datetime, timedelta, timezone
+
+    from controller.runtime import Controls
+    from storage.overrides import ActiveOverride, OverrideSnapshot
+
+    gate = match_len_gate()  # predicts the match length
+    prompt = list(range(100, 140)) * 3
+    now = datetime.now(timezone.utc)
+
+    def plan_for(controls, tenant, workload="agentic"):
+        runtime = Runtime(gate, tokenizer.classes, DecisionConfig(fallback="none"))
+        runtime.set_controls(controls)
+        return runtime.step([RequestInput("r", [100], prompt, tenant=tenant, workload=workload)])
+
+    auto = plan_for(Controls(), "acme")
+    assert auto.source.tolist() == [CACHE]  # a long match: the rule verifies it
+    raised = plan_for(Controls(corrections={"agentic": 100.0}), "acme")
+    assert raised.source.tolist() == [NONE] and raised.tau[0] == pytest.approx(auto.tau[0] + 100.0)
+    assert plan_for(Controls(corrections={"sql": 100.0}), "acme").source.tolist() == [CACHE]
+    snapshot = OverrideSnapshot([
+        ActiveOverride("acme", None, "fixed", 50.0, None, None, None, 1),
+        ActiveOverride("acme", "agentic", "fixed", -1.0, None, None, None, 2),
+        ActiveOverride("beta", None, "off_model", None, None, None, None, 3),
+        ActiveOverride("gamma", None, "bounds", None, 30.0, 40.0, now + timedelta(hours=1), 4),
+        ActiveOverride("old", None, "fixed", 50.0, None, None, now - timedelta(seconds=1), 5),
+    ])
+    controls = Controls(corrections={"agentic": 100.0}, overrides=snapshot)
+    assert plan_for(controls, "acme").source.tolist() == [CACHE]  # tenant+workload (-1) beats tenant (50)
+    assert plan_for(controls, "acme", "sql").tau[0] == pytest.approx(50.0)  # tenant-wide override
+    assert plan_for(controls, "beta").source.tolist() == [MODEL]  # hybrid off: always the model drafter
+    assert plan_for(controls, "gamma").tau[0] == pytest.approx(40.0)  # auto + 100 clipped into [30, 40]
+    assert plan_for(controls, "old").tau[0] == pytest.approx(auto.tau[0] + 100.0)  # expired: auto again

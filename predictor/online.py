@@ -1,0 +1,247 @@
+"""Online learning of g_theta from hindsight labels, with drift detection and shadow scoring.
+
+The learner keeps a challenger (a trainable copy of the champion) and updates it in mini-batches
+of new labelled cache drafts mixed with a replay buffer sampled evenly across workloads, so one
+busy workload does not erase what the others taught. Every event is first scored by both models
+before the challenger learns from it (prequential), which is the shadow evaluation: same events,
+same tau, a goodput proxy and the mean absolute error. A per-workload ADWIN on the champion's error
+flags drift; the learner then takes larger steps for a while. Deterministic under a seed: the same
+events in the same order give the same models and the same promotion decisions.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from river import drift
+
+from predictor.features import NUM_FEATURES
+from predictor.mlp import MLP, GatePredictor
+from predictor.traces import WORKLOADS
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    seed: int = 0
+    batch_size: int = 256  # new events per update
+    replay_ratio: float = 1.0  # replayed rows per new row
+    buffer_per_workload: int = 20_000
+    learning_rate: float = 5e-4
+    drift_boost: float = 4.0  # learning-rate multiplier right after a drift
+    boost_updates: int = 40
+    adwin_delta: float = 0.002
+    window: int = 5_000  # shadow-scoring window (events)
+    promote_min_events: int = 2_000  # scored events since the last promotion before another
+    promote_margin: float = 0.01  # challenger goodput must beat the champion's by this fraction
+    max_mae_increase: float = 0.05  # and its calibration must not be worse by more than this
+
+
+@dataclass
+class DriftSignal:
+    workload: str
+    events_seen: int
+    error_mean: float
+
+
+@dataclass
+class ShadowScore:
+    events: int
+    champion_goodput: float
+    challenger_goodput: float
+    champion_mae: float
+    challenger_mae: float
+
+    @property
+    def gain(self) -> float:
+        return self.challenger_goodput / self.champion_goodput - 1.0 if self.champion_goodput > 0 else 0.0
+
+    def to_json(self) -> dict:
+        return {"events": self.events, "champion_goodput": round(self.champion_goodput, 6),
+                "challenger_goodput": round(self.challenger_goodput, 6), "champion_mae": round(self.champion_mae, 5),
+                "challenger_mae": round(self.challenger_mae, 5), "gain": round(self.gain, 5)}
+
+
+@dataclass
+class LearnResult:
+    events: int = 0
+    updates: int = 0
+    drifts: list[DriftSignal] = field(default_factory=list)
+    promote: ShadowScore | None = None  # set when the challenger earned a promotion
+
+
+@dataclass
+class Batch:
+    """Labelled cache drafts as arrays: what the learner consumes."""
+
+    features: np.ndarray  # float32 (n x NUM_FEATURES)
+    label: np.ndarray  # float32
+    draft_len: np.ndarray  # int
+    workload: np.ndarray  # int index into WORKLOADS
+    tau: np.ndarray  # the threshold each draft was (or would have been) held to
+
+
+# (label, draft_len, decided_cache) -> (tokens, milliseconds) of the step that decision implies
+GoodputFn = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
+
+
+class OnlineLearner:
+    def __init__(self, champion: GatePredictor, goodput: GoodputFn, config: LearnerConfig | None = None) -> None:
+        self.config = config or LearnerConfig()
+        self.goodput = goodput
+        torch.manual_seed(self.config.seed)
+        self._rng = np.random.default_rng(self.config.seed)
+        self.champion = champion
+        self.model = _to_torch(champion)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.config.learning_rate)
+        self._buffers = {w: _Reservoir(self.config.buffer_per_workload, NUM_FEATURES, self._rng) for w in range(len(WORKLOADS))}
+        self._adwin = {w: drift.ADWIN(delta=self.config.adwin_delta) for w in range(len(WORKLOADS))}
+        self._window: deque[tuple[float, float, float, float, float, float]] = deque(maxlen=self.config.window)
+        self._since_promotion = 0
+        self._boost = 0
+        self.events_seen = 0
+        self.updates = 0
+
+    def challenger(self) -> GatePredictor:
+        return GatePredictor.from_torch(self.model, self.champion.schema_hash)
+
+    def adopt(self, champion: GatePredictor) -> None:
+        """A new champion (promoted here, or moved by an operator's rollback): score against it."""
+        self.champion = champion
+        self._window.clear()
+        self._since_promotion = 0
+
+    def learn(self, batch: Batch) -> LearnResult:
+        result = LearnResult(events=len(batch.label))
+        if not len(batch.label):
+            return result
+        self._shadow_score(batch)
+        result.drifts = self._detect_drift(batch)
+        if result.drifts:
+            self._boost = self.config.boost_updates
+        for w in np.unique(batch.workload):
+            sel = batch.workload == w
+            self._buffers[int(w)].add(batch.features[sel], batch.label[sel])
+        for start in range(0, len(batch.label), self.config.batch_size):
+            end = start + self.config.batch_size
+            self._update(batch.features[start:end], batch.label[start:end])
+            result.updates += 1
+        self.events_seen += len(batch.label)
+        self._since_promotion += len(batch.label)
+        score = self.shadow_score()
+        cfg = self.config
+        if (score is not None and self._since_promotion >= cfg.promote_min_events and score.gain >= cfg.promote_margin
+                and score.challenger_mae <= score.champion_mae + cfg.max_mae_increase):
+            result.promote = score
+        return result
+
+    def shadow_score(self) -> ShadowScore | None:
+        if not self._window:
+            return None
+        w = np.array(self._window)
+        return ShadowScore(len(w), w[:, 0].sum() / w[:, 1].sum(), w[:, 2].sum() / w[:, 3].sum(), w[:, 4].mean(),
+                           w[:, 5].mean())
+
+    # ---------------------------------------------------------------- internals
+    def _shadow_score(self, batch: Batch) -> None:
+        champ = self.champion.predict(batch.features)
+        chall = self.challenger().predict(batch.features)
+        tok_a, ms_a = self.goodput(batch.label, batch.draft_len, champ > batch.tau, batch.workload)
+        tok_b, ms_b = self.goodput(batch.label, batch.draft_len, chall > batch.tau, batch.workload)
+        err_a, err_b = np.abs(champ - batch.label), np.abs(chall - batch.label)
+        self._window.extend(zip(tok_a.tolist(), ms_a.tolist(), tok_b.tolist(), ms_b.tolist(), err_a.tolist(),
+                                err_b.tolist()))
+
+    def _detect_drift(self, batch: Batch) -> list[DriftSignal]:
+        errors = np.abs(self.champion.predict(batch.features) - batch.label)
+        signals = []
+        for w, err in zip(batch.workload.tolist(), errors.tolist()):
+            detector = self._adwin[w]
+            detector.update(err)
+            if detector.drift_detected:
+                signals.append(DriftSignal(WORKLOADS[w], self.events_seen, float(detector.estimation)))
+        return signals
+
+    def _update(self, x_new: np.ndarray, y_new: np.ndarray) -> None:
+        cfg = self.config
+        n_replay = int(round(len(y_new) * cfg.replay_ratio))
+        filled = [b for b in self._buffers.values() if b.size]
+        xs, ys = [x_new], [y_new]
+        if n_replay and filled:
+            per = max(1, n_replay // len(filled))
+            for buf in filled:
+                x, y = buf.sample(per)
+                xs.append(x)
+                ys.append(y)
+        x = torch.from_numpy(np.concatenate(xs).astype(np.float32))
+        y = torch.from_numpy(np.concatenate(ys).astype(np.float32))
+        lr = cfg.learning_rate * (cfg.drift_boost if self._boost > 0 else 1.0)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self._boost = max(0, self._boost - 1)
+        self.model.train()
+        loss = ((self.model(x) - y) ** 2).mean()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        self.model.eval()
+        self.updates += 1
+
+
+class _Reservoir:
+    """Uniform sample of everything a workload ever contributed (reservoir sampling)."""
+
+    def __init__(self, capacity: int, width: int, rng: np.random.Generator) -> None:
+        self.x = np.zeros((capacity, width), dtype=np.float32)
+        self.y = np.zeros(capacity, dtype=np.float32)
+        self.capacity, self.size, self.seen, self.rng = capacity, 0, 0, rng
+
+    def add(self, x: np.ndarray, y: np.ndarray) -> None:
+        for row, label in zip(x, y):
+            if self.size < self.capacity:
+                self.x[self.size], self.y[self.size] = row, label
+                self.size += 1
+            else:
+                j = int(self.rng.integers(0, self.seen + 1))
+                if j < self.capacity:
+                    self.x[j], self.y[j] = row, label
+            self.seen += 1
+
+    def sample(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        idx = self.rng.integers(0, self.size, size=n)
+        return self.x[idx], self.y[idx]
+
+
+def _to_torch(gate: GatePredictor) -> MLP:
+    """The champion as a trainable torch module (same function, same float32 weights)."""
+    hidden = tuple(w.shape[1] for w in gate.weights[:-1])
+    model = MLP(gate.num_features, hidden)
+    with torch.no_grad():
+        model.mean.copy_(torch.from_numpy(gate.mean))
+        model.scale.copy_(torch.from_numpy(gate.scale))
+        linears = [m for m in model.net if isinstance(m, torch.nn.Linear)]
+        for layer, w, b in zip(linears, gate.weights, gate.biases):
+            layer.weight.copy_(torch.from_numpy(np.ascontiguousarray(w.T)))
+            layer.bias.copy_(torch.from_numpy(b))
+    model.eval()
+    return model
+
+
+def batch_from_events(events: Sequence, tau_of: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> Batch:
+    """Cache-drafter events that carry features -> arrays. `tau_of(draft_len, workload)` fills in
+    the threshold for drafts that were never held to one (shadow drafts)."""
+    rows = [e for e in events if e.drafter == "cache" and e.features]
+    if not rows:
+        empty = np.zeros(0)
+        return Batch(np.zeros((0, NUM_FEATURES), np.float32), empty.astype(np.float32), empty.astype(int),
+                     empty.astype(int), empty)
+    x = np.frombuffer(b"".join(e.features for e in rows), dtype=np.float32).reshape(len(rows), NUM_FEATURES)
+    k = np.array([e.draft_len for e in rows], dtype=np.int64)
+    w = np.array([WORKLOADS.index(e.workload) for e in rows], dtype=np.int64)
+    tau = np.array([np.nan if e.tau is None else e.tau for e in rows], dtype=np.float64)
+    missing = ~np.isfinite(tau)
+    if missing.any():
+        tau[missing] = tau_of(k[missing], w[missing])
+    return Batch(x.copy(), np.array([e.accepted for e in rows], dtype=np.float32), k, w, tau)

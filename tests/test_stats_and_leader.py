@@ -1,0 +1,520 @@
+"""Statistics buckets (aggregation, additive upsert, writer), raw-sample retention, leader election,
+and crash safety (kill -9) — on SQLite and a real PostgreSQL.
+
+PostgreSQL is skipped only when HVD_SKIP_POSTGRES=1 (same policy as tests/test_storage.py).
+Child processes use the 'spawn' start method and their own engines.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import signal
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sqlalchemy import Engine, create_engine, func, select, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
+
+import controller.stats_writer as stats_writer_mod
+from controller.event_writer import EventWriter
+from controller.events import EventQueue, LabelledEvent
+from controller.stats_writer import StatsWriter
+from storage.engine import make_engine, session_scope
+from storage.events import count_events, insert_events, list_events
+from storage.leader import LeaseLeaderLock, PgAdvisoryLeaderLock, make_leader_lock
+from storage.migrate import upgrade
+from storage.models import DecisionEvent, StatBucket
+from storage.stats import (ALL, HIST_BINS, BucketDelta, add_dropped, add_steps, aggregate, bucket_start,
+                           merge_deltas, prune_events, read_buckets, upsert_buckets)
+from storage.versions import create_version, get_alias_version, set_alias, verify_blob
+
+PG_URL = os.environ.get("HVD_TEST_POSTGRES_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
+T0 = 1_700_000_040.0  # a bucket boundary (multiple of 60)
+SPAWN = mp.get_context("spawn")
+
+
+# --- fixtures -------------------------------------------------------------------------------------
+
+
+def _postgres_schema_url() -> Iterator[str]:
+    if os.environ.get("HVD_SKIP_POSTGRES") == "1":
+        pytest.skip("HVD_SKIP_POSTGRES=1")
+    schema = f"hvd_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(PG_URL)
+    try:
+        with admin.begin() as conn:
+            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    except OperationalError as exc:
+        admin.dispose()
+        pytest.fail(f"PostgreSQL test server unreachable at {make_url(PG_URL).render_as_string()}: {exc.orig}. "
+                    "Start it, or set HVD_SKIP_POSTGRES=1 to skip PostgreSQL tests.", pytrace=False)
+    try:
+        url = make_url(PG_URL).update_query_dict({"options": f"-csearch_path={schema}"})
+        yield url.render_as_string(hide_password=False)
+    finally:
+        with admin.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'hvd.db'}"
+    else:
+        yield from _postgres_schema_url()
+
+
+@pytest.fixture
+def db(db_url: str) -> Iterator[Engine]:
+    eng = make_engine(db_url)
+    upgrade(eng)
+    try:
+        yield eng
+    finally:
+        eng.dispose()
+
+
+def ev(at: float = T0, tenant: str = "t", workload: str = "code", drafter: str = "cache", decision: str = "cache",
+       draft_len: int = 8, accepted: int = 0, predicted: float | None = None, version: int | None = None,
+       request_id: str = "r", position: int = 0) -> LabelledEvent:
+    return LabelledEvent(at, tenant, workload, request_id, position, drafter, decision, draft_len, accepted,
+                         predicted, 1.0, version, None)
+
+
+def _bucket_dict(b: StatBucket) -> dict:
+    return {name: getattr(b, name) for name in
+            ("cache_drafts", "cache_verified", "model_drafts", "draft_tokens", "accepted_tokens", "tp", "fp",
+             "fn", "tn", "tokens", "cycles", "dropped_events", "accepted_hist")}
+
+
+def _delta_dict(d: BucketDelta) -> dict:
+    return {name: getattr(d, name) for name in
+            ("cache_drafts", "cache_verified", "model_drafts", "draft_tokens", "accepted_tokens", "tp", "fp",
+             "fn", "tn", "tokens", "cycles", "dropped_events", "accepted_hist")}
+
+
+def _db_as_deltas(engine: Engine) -> dict:
+    with session_scope(engine) as s:
+        return {(b.bucket_start, b.tenant, b.workload, b.predictor_version_id): _bucket_dict(b)
+                for b in read_buckets(s)}
+
+
+# --- aggregation (pure) ---------------------------------------------------------------------------
+
+
+def test_aggregate_exact_counters_histogram_and_confusion() -> None:
+    events = [
+        ev(accepted=7, predicted=9.0, draft_len=10),                      # tp, verified
+        ev(accepted=2, predicted=6.0, decision="none", draft_len=10),     # fp, not verified
+        ev(accepted=6, predicted=5.9, decision="model", draft_len=12),    # fn (6 counts as long), not verified
+        ev(accepted=0, predicted=1.0, draft_len=4),                       # tn, verified
+        ev(accepted=40, predicted=None, draft_len=24),                    # no prediction: hist bin 24, no matrix
+        ev(drafter="model", decision="model", draft_len=5, accepted=3),   # model draft
+        ev(drafter="model", decision="model", draft_len=5, accepted=5, at=T0 + 59.9),
+        ev(at=T0 + 60.0, accepted=1, predicted=0.0),                      # next bucket
+        ev(tenant="u", accepted=3, predicted=7.0, version=4),             # other tenant + version
+    ]
+    got = aggregate(events)
+    k0 = (bucket_start(T0), "t", "code", 0)
+    assert k0[0].timestamp() == T0 and k0[0].tzinfo is not None
+    assert set(got) == {k0, (bucket_start(T0 + 60), "t", "code", 0), (bucket_start(T0), "u", "code", 4)}
+    d = got[k0]
+    hist = [0] * HIST_BINS
+    hist[7] = hist[2] = hist[6] = hist[0] = hist[24] = 1
+    assert _delta_dict(d) == dict(cache_drafts=5, cache_verified=3, model_drafts=2,
+                                  draft_tokens=10 + 4 + 24 + 5 + 5, accepted_tokens=7 + 0 + 40 + 3 + 5,
+                                  tp=1, fp=1, fn=1, tn=1, tokens=0, cycles=0, dropped_events=0, accepted_hist=hist)
+    d1 = got[(bucket_start(T0 + 60), "t", "code", 0)]
+    assert (d1.cache_drafts, d1.cache_verified, d1.tn, d1.accepted_hist[1]) == (1, 1, 1, 1)
+    d2 = got[(bucket_start(T0), "u", "code", 4)]
+    assert (d2.cache_drafts, d2.fp, d2.accepted_tokens) == (1, 1, 3)
+    # bucket size is a parameter
+    assert len(aggregate(events, bucket_seconds=3600)) == 2
+
+
+def test_add_steps_and_dropped() -> None:
+    deltas = aggregate([ev(accepted=1)])
+    add_steps(deltas, T0 + 1, "t", "code", None, tokens=17, cycles=5)
+    add_steps(deltas, T0 + 2, "t", "code", 0, tokens=3, cycles=1)
+    add_steps(deltas, T0 + 2, "t", "chat", 2, tokens=1, cycles=1)
+    add_dropped(deltas, T0 + 3, 7)
+    add_dropped(deltas, T0 + 4, 2)
+    add_dropped(deltas, T0 + 4, 0)
+    k = (bucket_start(T0), "t", "code", 0)
+    assert (deltas[k].tokens, deltas[k].cycles, deltas[k].cache_drafts) == (20, 6, 1)
+    assert deltas[(bucket_start(T0), "t", "chat", 2)].tokens == 1
+    assert deltas[(bucket_start(T0), ALL, ALL, 0)].dropped_events == 9
+    assert len(deltas) == 3
+
+
+EVENTS = st.lists(st.builds(
+    ev,
+    at=st.floats(min_value=T0 - 200, max_value=T0 + 200, allow_nan=False),
+    tenant=st.sampled_from(["a", "b"]),
+    workload=st.sampled_from(["code", "chat"]),
+    drafter=st.sampled_from(["cache", "model"]),
+    decision=st.sampled_from(["cache", "model", "none"]),
+    draft_len=st.integers(0, 32),
+    accepted=st.integers(0, 40),
+    predicted=st.none() | st.floats(min_value=0, max_value=30, allow_nan=False),
+    version=st.sampled_from([None, 0, 1, 2]),
+), max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(events=EVENTS, data=st.data())
+def test_aggregate_is_additive_over_any_split(events: list[LabelledEvent], data: st.DataObject) -> None:
+    cut = data.draw(st.integers(0, len(events)))
+    whole = aggregate(events)
+    parts = merge_deltas(aggregate(events[:cut]), aggregate(events[cut:]))
+    assert parts == whole
+    assert sum(d.cache_drafts + d.model_drafts for d in whole.values()) == len(events)
+    for d in whole.values():
+        assert sum(d.accepted_hist) == d.cache_drafts
+        assert d.tp + d.fp + d.fn + d.tn <= d.cache_drafts
+
+
+# --- upsert -------------------------------------------------------------------------------------
+
+
+def test_upsert_adds_to_existing_rows_and_reads_filter(db: Engine) -> None:
+    events = [ev(accepted=a, predicted=float(a), draft_len=10) for a in range(12)] + [
+        ev(tenant="u", workload="chat", drafter="model", decision="model", draft_len=4, accepted=2, version=3)]
+    first = aggregate(events)
+    add_dropped(first, T0, 5)
+    with session_scope(db) as s:
+        assert upsert_buckets(s, first) == 3
+    second = aggregate(events[:4])
+    add_steps(second, T0, "t", "code", None, tokens=9, cycles=2)
+    with session_scope(db) as s:
+        upsert_buckets(s, second)
+        upsert_buckets(s, {})  # nothing to do
+    expected = merge_deltas(merge_deltas({}, first), second)
+    assert _db_as_deltas(db) == {k: _delta_dict(d) for k, d in expected.items()}
+    with session_scope(db) as s:
+        assert [b.tenant for b in read_buckets(s, tenant="u")] == ["u"]
+        assert [b.workload for b in read_buckets(s, workload="chat")] == ["chat"]
+        assert read_buckets(s, since=bucket_start(T0 + 60)) == []
+        assert len(read_buckets(s, since=bucket_start(T0))) == 3
+        row = read_buckets(s, tenant="t")[0]
+        assert row.bucket_start == bucket_start(T0)
+        assert row.accepted_hist[:12] == [2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1]
+
+
+def _upsert_worker(url: str, rounds: int, seed: int) -> None:
+    engine = make_engine(url)
+    rng = random.Random(seed)
+    keys = [("a", "code"), ("b", "code"), ("a", "chat")]
+    for _ in range(rounds):
+        # the same keys in a random order each time: upsert_buckets must still be race- and deadlock-free
+        rng.shuffle(keys)
+        events = [ev(tenant=t, workload=w, accepted=3, predicted=7.0, draft_len=5) for t, w in keys]
+        deltas = aggregate(events)
+        add_steps(deltas, T0, "a", "code", None, tokens=2, cycles=1)
+        with session_scope(engine) as s:
+            upsert_buckets(s, deltas)
+    engine.dispose()
+
+
+def test_upsert_from_two_processes_sums_exactly(db: Engine, db_url: str) -> None:
+    rounds = 200
+    procs = [SPAWN.Process(target=_upsert_worker, args=(db_url, rounds, seed)) for seed in (1, 2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    got = _db_as_deltas(db)
+    assert len(got) == 3
+    n = 2 * rounds
+    for (_, tenant, workload, version), row in got.items():
+        assert version == 0
+        assert (row["cache_drafts"], row["cache_verified"], row["draft_tokens"], row["accepted_tokens"]) == (n, n, 5 * n, 3 * n)
+        assert (row["tp"], row["fp"], row["fn"], row["tn"]) == (0, n, 0, 0)
+        assert row["accepted_hist"][3] == n and sum(row["accepted_hist"]) == n
+        assert row["tokens"] == (2 * n if (tenant, workload) == ("a", "code") else 0)
+
+
+def test_prune_events_keeps_newest(db: Engine) -> None:
+    with session_scope(db) as s:
+        insert_events(s, [ev(request_id=f"r{i}", position=i).to_row() for i in range(10)])
+    with session_scope(db) as s:
+        assert prune_events(s, 4) == 6
+    with session_scope(db) as s:
+        assert [e.position for e in list_events(s)] == [6, 7, 8, 9]
+        assert prune_events(s, 4) == 0 and prune_events(s, 100) == 0
+    with session_scope(db) as s:
+        assert prune_events(s, 0) == 4
+        assert count_events(s) == 0 and prune_events(s, 0) == 0
+    with pytest.raises(ValueError):
+        with session_scope(db) as s:
+            prune_events(s, -1)
+
+
+# --- StatsWriter ----------------------------------------------------------------------------------
+
+
+def _unreachable(db_url: str, tmp_path: Path) -> Engine:
+    if db_url.startswith("sqlite"):
+        return create_engine(f"sqlite:///{tmp_path / 'no' / 'such' / 'dir' / 'x.db'}")
+    return create_engine(make_url(PG_URL).set(port=1), connect_args={"connect_timeout": 2})
+
+
+def test_stats_writer_keeps_bounded_pending_while_down_then_flushes(db: Engine, db_url: str, tmp_path: Path) -> None:
+    bad = _unreachable(db_url, tmp_path)
+    writer = StatsWriter(bad, flush_interval=0.01, max_pending_keys=5)
+    first = [ev(tenant=f"t{i}", accepted=i, predicted=8.0) for i in range(5)]
+    writer.add(first)
+    assert writer.flush() is False and writer.failures == 1 and writer.last_error
+    assert writer.pending_keys() == 5 and writer.dropped_keys == 0
+    later = [ev(tenant=f"t{i}", accepted=1, drafter="model", decision="model", draft_len=3) for i in range(5, 8)]
+    writer.add(later)  # 8 keys > 5: the 3 oldest (t0, t1, t2) go
+    assert writer.dropped_keys == 3 and writer.pending_keys() == 5
+    more = [ev(tenant="t7", accepted=9, predicted=1.0), ev(tenant="t3", accepted=2, predicted=None)]
+    writer.add(more)  # existing keys: nothing more dropped
+    writer.add_steps(T0, "t4", "code", None, tokens=11, cycles=3)
+    assert writer.flush() is False and writer.failures == 2
+    assert writer.dropped_keys == 3 and writer.pending_keys() == 5
+    assert _db_as_deltas(db) == {}
+
+    writer.engine = db  # the database is back
+    assert writer.flush() is True
+    assert writer.pending_keys() == 0 and writer.dropped_keys == 3
+    expected = aggregate(first[3:] + later + more)
+    add_steps(expected, T0, "t4", "code", None, tokens=11, cycles=3)
+    assert _db_as_deltas(db) == {k: _delta_dict(d) for k, d in expected.items()}
+    assert writer.stop() is True
+    bad.dispose()
+
+
+def test_stats_writer_thread_retries_with_backoff_and_loses_nothing(db: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = stats_writer_mod.upsert_buckets
+    calls = {"n": 0}
+
+    def flaky(session, deltas):
+        calls["n"] += 1
+        if calls["n"] <= 3:
+            raise OperationalError("INSERT ...", {}, Exception("server closed the connection"))
+        return real(session, deltas)
+
+    monkeypatch.setattr(stats_writer_mod, "upsert_buckets", flaky)
+    writer = StatsWriter(db, flush_interval=0.02, max_backoff=0.1).start()
+    rng = random.Random(7)
+    all_events: list[LabelledEvent] = []
+    lock = threading.Lock()
+
+    def produce(seed: int) -> None:
+        r = random.Random(seed)
+        for _ in range(30):
+            batch = [ev(at=T0 + r.uniform(0, 150), tenant=r.choice("ab"), accepted=r.randint(0, 30),
+                        predicted=r.choice([None, 3.0, 8.0]), drafter=r.choice(["cache", "model"]))
+                     for _ in range(r.randint(1, 20))]
+            writer.add(batch)
+            with lock:
+                all_events.extend(batch)
+            time.sleep(0.003)
+
+    threads = [threading.Thread(target=produce, args=(rng.random(),)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert writer.stop() is True
+    assert writer.failures == 3 and writer.dropped_keys == 0 and writer.pending_keys() == 0
+    assert _db_as_deltas(db) == {k: _delta_dict(d) for k, d in aggregate(all_events).items()}
+
+
+def test_event_writer_feeds_raw_events_stats_drops_and_retention(db: Engine) -> None:
+    q = EventQueue(maxsize=6)
+    accepted: list[LabelledEvent] = []
+    for i in range(9):  # 6 fit, 3 dropped
+        e = ev(accepted=i, predicted=float(i), request_id=f"r{i}", position=i,
+               drafter="model" if i % 4 == 3 else "cache", tenant="a" if i % 2 else "b")
+        if q.put(e):
+            accepted.append(e)
+    assert q.dropped == 3
+    stats = StatsWriter(db, flush_interval=0.05)
+    writer = EventWriter(db, q, batch_size=4, flush_interval=0.05, stats=stats, keep_events=4, prune_every=1).start()
+    time.sleep(0.2)
+    for i in range(9, 12):
+        e = ev(at=T0 + 61, accepted=i, predicted=2.0, request_id=f"r{i}", position=i, tenant="a")
+        assert q.put(e)
+        accepted.append(e)
+    for _ in range(8):  # the writer drains concurrently, so some of these may fit
+        e = ev(at=T0 + 61, accepted=1, request_id="burst", tenant="c")
+        if q.put(e):
+            accepted.append(e)
+    writer.stop()
+    assert writer.written == len(accepted) and writer.dropped == 0 and writer.failures == 0
+    assert writer.pruned == len(accepted) - 4
+    with session_scope(db) as s:
+        assert [e.position for e in list_events(s)] == [a.position for a in accepted[-4:]]
+    expected = aggregate(accepted)
+    drops = {k: d for k, d in _db_as_deltas(db).items() if k[1] == ALL}
+    assert sum(d["dropped_events"] for d in drops.values()) == q.dropped >= 3
+    got = {k: d for k, d in _db_as_deltas(db).items() if k[1] != ALL}
+    assert got == {k: _delta_dict(d) for k, d in expected.items()}
+    assert stats.pending_keys() == 0
+
+
+# --- leader election ---------------------------------------------------------------------------
+
+
+def test_leader_lock_in_process(db: Engine, db_url: str) -> None:
+    a = make_leader_lock(db, "learner", holder="A", ttl=0.6)
+    b = make_leader_lock(db, "learner", holder="B", ttl=0.6)
+    other = make_leader_lock(db, "other-role", holder="B", ttl=0.6)
+    assert isinstance(a, PgAdvisoryLeaderLock if db_url.startswith("postgresql") else LeaseLeaderLock)
+    assert a.try_acquire() and a.is_leader
+    assert a.try_acquire() and a.renew()  # re-entrant for the holder
+    assert not b.try_acquire() and not b.is_leader and not b.renew()
+    assert other.try_acquire()  # a different name is a different lock
+    a.release()
+    assert not a.is_leader
+    assert b.try_acquire() and b.is_leader
+    assert not a.try_acquire()
+    if isinstance(b, LeaseLeaderLock):
+        # a leader that stops renewing loses the lease after ttl, and finds out
+        b._stop.set()
+        time.sleep(0.7)
+        assert not b.is_leader
+        assert a.try_acquire()
+        assert not b.renew() and not b.is_leader
+    else:
+        # a leader whose session dies loses the lock, and finds out
+        pid = b._conn.execute(text("SELECT pg_backend_pid()")).scalar()
+        with db.connect() as c:
+            c.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid})
+        assert a.try_acquire()
+        assert not b.renew() and not b.is_leader
+    for lock in (a, b, other):
+        lock.release()
+
+
+def _leader_worker(url: str, name: str, ttl: float, poll: float, out) -> None:
+    engine = make_engine(url)
+    lock = make_leader_lock(engine, name, holder=f"pid-{os.getpid()}", ttl=ttl)
+    was = None
+    while True:
+        leader = lock.renew() if lock.is_leader else lock.try_acquire()
+        if leader != was:
+            out.put((os.getpid(), leader, time.time()))
+            was = leader
+        time.sleep(poll)
+
+
+def test_leader_failover_after_kill_9(db: Engine, db_url: str) -> None:
+    pg = db_url.startswith("postgresql")
+    ttl, poll = 1.5, 0.05
+    out = SPAWN.Queue()
+    procs = {}
+    for _ in range(2):
+        p = SPAWN.Process(target=_leader_worker, args=(db_url, "learner", ttl, poll, out), daemon=True)
+        p.start()
+        procs[p.pid] = p
+    try:
+        state: dict[int, bool] = {}
+        deadline = time.time() + 30
+        while not (len(state) == 2 and any(state.values())):
+            pid, leader, _ = out.get(timeout=max(0.1, deadline - time.time()))
+            state[pid] = leader
+        time.sleep(1.0)  # contention continues: still exactly one leader, nobody flips
+        while not out.empty():
+            pid, leader, _ = out.get()
+            state[pid] = leader
+        assert sorted(state.values()) == [False, True]
+        leader_pid = next(pid for pid, v in state.items() if v)
+        follower_pid = next(pid for pid, v in state.items() if not v)
+        killed_at = time.time()
+        os.kill(leader_pid, signal.SIGKILL)
+        procs[leader_pid].join(10)
+        while True:
+            pid, leader, at = out.get(timeout=ttl + 10)
+            if pid == follower_pid and leader:
+                break
+        took = at - killed_at
+        if pg:
+            assert took < 2.0, took
+        else:
+            # the lease runs out ttl after the last renewal (<= ~poll before the kill), not earlier
+            assert ttl * 0.5 < took < ttl + 0.5, took
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+            p.join(10)
+
+
+# --- kill -9 during writes ------------------------------------------------------------------------
+
+BATCH = 40
+
+
+def _batch_writer(url: str, first_batch: int, progress) -> None:
+    engine = make_engine(url)
+    n = first_batch
+    while True:
+        events = [ev(at=T0 + 5, request_id=f"batch-{n}", position=i, accepted=i % 9, predicted=float(i % 11))
+                  for i in range(BATCH)]
+        rows = [dict(e.to_row(), features=os.urandom(512)) for e in events]
+        deltas = aggregate(events)
+        add_steps(deltas, T0 + 5, "t", "code", None, tokens=1, cycles=0)  # tokens == whole batches
+        with session_scope(engine) as s:
+            insert_events(s, rows)
+            upsert_buckets(s, deltas)
+        progress.value = n
+        n += 1
+
+
+def test_kill_9_during_writes_leaves_a_consistent_database(db: Engine, db_url: str) -> None:
+    blob = os.urandom(50_000)
+    with session_scope(db) as s:
+        v = create_version(s, blob=blob, kind="mlp", feature_schema_hash="h" * 64, metrics={"loss": 0.1},
+                           training_summary={}, reason="champion before the crash", created_by="pytest")
+        set_alias(s, "champion", v.id, reason="test", actor="pytest")
+        champion_id = v.id
+    rng = random.Random(20261129)
+    for round_ in range(3):
+        first = round_ * 1_000_000
+        progress = SPAWN.Value("q", -1)
+        p = SPAWN.Process(target=_batch_writer, args=(db_url, first, progress), daemon=True)
+        p.start()
+        deadline = time.time() + 30
+        while progress.value < first + 2:  # writing for real
+            assert p.is_alive() and time.time() < deadline
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.05, 0.5))
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+        assert p.exitcode == -signal.SIGKILL
+
+    if db_url.startswith("sqlite"):
+        with db.connect() as c:
+            assert c.execute(text("PRAGMA integrity_check")).scalar() == "ok"
+    with session_scope(db) as s:
+        sizes = Counter(dict(s.execute(select(DecisionEvent.request_id, func.count())
+                                       .group_by(DecisionEvent.request_id)).all()))
+        buckets = read_buckets(s)
+        champion = get_alias_version(s, "champion")
+        assert champion is not None and champion.id == champion_id
+        assert verify_blob(champion) == blob
+    assert sizes and set(sizes.values()) == {BATCH}  # every batch all-or-nothing
+    for round_ in range(3):  # batches of each round are a gap-free prefix: none lost, none half-kept
+        ns = sorted(int(r.split("-")[1]) - round_ * 1_000_000 for r in sizes if
+                    round_ * 1_000_000 <= int(r.split("-")[1]) < (round_ + 1) * 1_000_000)
+        assert ns == list(range(len(ns))) and len(ns) >= 3
+    whole = len(sizes)
+    assert len(buckets) == 1
+    b = buckets[0]
+    assert b.tokens == whole and b.cache_drafts == whole * BATCH and sum(b.accepted_hist) == whole * BATCH
+    assert b.tp + b.fp + b.fn + b.tn == whole * BATCH
