@@ -34,3 +34,13 @@ def list_events(session: Session, limit: int | None = None, **filters: Any) -> l
     if limit is not None:
         stmt = stmt.limit(limit)
     return list(session.scalars(stmt))
+
+
+def events_after(session: Session, after_id: int, limit: int) -> list[DecisionEvent]:
+    """The next `limit` events with id > after_id, in id order (the learner's cursor)."""
+    stmt = select(DecisionEvent).where(DecisionEvent.id > after_id).order_by(DecisionEvent.id).limit(limit)
+    return list(session.scalars(stmt))
+
+
+def last_event_id(session: Session) -> int:
+    return int(session.scalar(select(func.max(DecisionEvent.id))) or 0)

@@ -1,7 +1,7 @@
 """Leader election for the learner: exactly one replica sharing a database runs it.
 
 PostgreSQL: a session-level advisory lock (`pg_try_advisory_lock`) held on a dedicated connection
-kept open for the leader's lifetime. The lock dies with the connection, so when the leader process
+kept open for the leader's lifetime (key: a hash of the name and the current schema). The lock dies with the connection, so when the leader process
 dies the server releases it and a follower's next `try_acquire` succeeds: takeover is automatic.
 
 Other databases (SQLite): a row in `leases` (name, holder, expires_at) taken with one atomic
@@ -33,9 +33,9 @@ def default_holder() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
-def advisory_key(name: str) -> int:
-    """A stable signed 64-bit key for `name` (pg advisory locks take a bigint)."""
-    return int.from_bytes(hashlib.sha256(f"hvd-leader:{name}".encode()).digest()[:8], "big", signed=True)
+def advisory_key(name: str, scope: str = "") -> int:
+    """A stable signed 64-bit key for `name` within `scope` (pg advisory locks take a bigint)."""
+    return int.from_bytes(hashlib.sha256(f"hvd-leader:{scope}:{name}".encode()).digest()[:8], "big", signed=True)
 
 
 class LeaderLock:
@@ -69,7 +69,7 @@ class PgAdvisoryLeaderLock(LeaderLock):
         self.engine = engine
         self.name = name
         self.holder = holder or default_holder()
-        self.key = advisory_key(name)
+        self.key: int | None = None  # advisory_key(name, current schema); set on first connection
         self._conn: Connection | None = None
         self._lock = threading.Lock()
 
@@ -87,6 +87,10 @@ class PgAdvisoryLeaderLock(LeaderLock):
                 # AUTOCOMMIT: the lock is session-level, so no transaction is left idle (and open
                 # to idle_in_transaction_session_timeout) while it is held.
                 conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+                if self.key is None:
+                    # Advisory locks are database-wide: scope the key by schema so deployments in
+                    # different schemas of one database do not block each other.
+                    self.key = advisory_key(self.name, str(conn.execute(text("SELECT current_schema()")).scalar()))
                 got = bool(conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": self.key}).scalar())
             except SQLAlchemyError:
                 if conn is not None:

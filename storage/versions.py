@@ -10,7 +10,7 @@ import hashlib
 import math
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from storage.errors import CorruptBlobError, StorageError
@@ -161,3 +161,31 @@ def verify_blob(version: PredictorVersion) -> bytes:
     if actual != version.blob_sha256:
         raise CorruptBlobError(version.id, version.blob_sha256, actual)
     return data
+
+
+def add_drift_event(session: Session, *, at, workload: str, detector: str, detail: dict,
+                    predictor_version_id: int | None) -> None:
+    from storage.models import DriftEvent
+
+    check_plain_json(detail, "detail")
+    session.add(DriftEvent(at=at, workload=workload, detector=detector, detail=detail,
+                           predictor_version_id=predictor_version_id))
+    session.flush()
+
+
+def add_tau_history(session: Session, *, at, workload: str, tau: float, rule_tau: float, correction: float,
+                    model_mean_accepted: float, reason: str, replica: str) -> None:
+    from storage.models import TauHistory
+
+    session.add(TauHistory(at=at, workload=workload, tau=tau, rule_tau=rule_tau, correction=correction,
+                           model_mean_accepted=model_mean_accepted, reason=reason, replica=replica))
+    session.flush()
+
+
+def latest_corrections(session: Session) -> dict[str, float]:
+    """The learned tau correction per workload, from the newest tau-history row of each."""
+    from storage.models import TauHistory
+
+    newest = select(TauHistory.workload, func.max(TauHistory.id).label("id")).group_by(TauHistory.workload).subquery()
+    rows = session.execute(select(TauHistory.workload, TauHistory.correction).join(newest, TauHistory.id == newest.c.id))
+    return {w: float(c) for w, c in rows}

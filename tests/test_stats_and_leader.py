@@ -395,7 +395,10 @@ def test_leader_lock_in_process(db: Engine, db_url: str) -> None:
         pid = b._conn.execute(text("SELECT pg_backend_pid()")).scalar()
         with db.connect() as c:
             c.execute(text("SELECT pg_terminate_backend(:p)"), {"p": pid})
-        assert a.try_acquire()
+        deadline = time.time() + 5  # termination is asynchronous
+        while not a.try_acquire():
+            assert time.time() < deadline
+            time.sleep(0.02)
         assert not b.renew() and not b.is_leader
     for lock in (a, b, other):
         lock.release()
@@ -447,7 +450,7 @@ def test_leader_failover_after_kill_9(db: Engine, db_url: str) -> None:
             assert took < 2.0, took
         else:
             # the lease runs out ttl after the last renewal (<= ~poll before the kill), not earlier
-            assert ttl * 0.5 < took < ttl + 0.5, took
+            assert ttl * 0.5 < took < ttl + 1.0, took
     finally:
         for p in procs.values():
             if p.is_alive():
