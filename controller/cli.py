@@ -53,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
                                     "decoding). Put tenant and workload in the request body: "
                                     '"vllm_xargs": {"hvd_tenant": "acme", "hvd_workload": "agentic"}. '
                                     "Needs a champion predictor (hvd warmstart).")
-    sv.add_argument("--engine", choices=["vllm"], required=True, help="the inference engine")
+    sv.add_argument("--engine", choices=["vllm", "replay"], required=True,
+                    help="vllm: the real model; replay: the bundled (or --traces) traces as the target model")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--fallback", choices=["model", "none"], default="model",
@@ -62,9 +63,38 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-running", type=int, help="back off from speculation above this many running requests")
     sv.add_argument("--backoff", choices=["none", "cache_only"], default="none",
                     help="what back-off means: no speculation, or cache drafts only")
+    rp = sv.add_argument_group("replay engine")
+    rp.add_argument("--traces", nargs="+", metavar="PATH", help="traces to serve (default: the bundled set)")
+    rp.add_argument("--max-requests", type=int, help="stop after this many requests (default: all)")
+    rp.add_argument("--batch-size", type=int, default=8, help="requests decoded together (default 8)")
+    rp.add_argument("--tenants", type=int, default=3, help="tenants the sessions are spread over (default 3)")
+    rp.add_argument("--no-learn", action="store_true", help="serve without the online learner")
+    rp.add_argument("--synchronous", action="store_true",
+                    help="run writers and learner inside the serving loop: deterministic, slower")
+    rp.add_argument("--seed", type=int, default=0)
 
-    sub.add_parser("versions", help="list stored predictor versions and aliases",
-                   description="One line per predictor version: id, parent, creation time, test metrics; * marks the champion.")
+    sc = sub.add_parser("scenario", help="scripted experiments on the replay engine",
+                        description="shift: warm start without one workload, then serve held-out sessions in which "
+                                    "that workload starts arriving, online (learning) and against a predictor trained "
+                                    "offline on all workloads; prints and writes the per-window comparison.")
+    sc.add_argument("name", choices=["shift"])
+    sc.add_argument("--workload", default="sql", help="the workload left out of the warm start (default sql)")
+    sc.add_argument("--others", type=int, default=400, help="requests of other workloads served first (default 400)")
+    sc.add_argument("--window-tokens", type=int, default=2000, help="report window, in tokens of the workload")
+    sc.add_argument("--json", type=Path, default=Path("var/shift.json"), help="report file (default var/shift.json)")
+    sc.add_argument("--seed", type=int, default=0)
+
+    rb = sub.add_parser("rollback", help="move the champion alias back (to its parent, or --to VERSION)",
+                        description="Point `champion` at the current champion's parent (or the given version). "
+                                    "Running controllers pick it up within seconds; the move is audited.")
+    rb.add_argument("--to", type=int, metavar="VERSION", help="version id to make champion")
+    rb.add_argument("--author", required=True)
+    rb.add_argument("--reason", required=True)
+
+    vs = sub.add_parser("versions", help="list stored predictor versions, their lineage and the promotion log",
+                        description="One line per predictor version: id, parent, creation time, metrics, reason; "
+                                    "* marks the champion. --log adds every move of the champion alias.")
+    vs.add_argument("--log", action="store_true", help="also print the champion alias's history")
     sub.add_parser("migrate", help="bring the database schema up to date (every command does this itself)")
     cli_overrides.add_parser(sub)
     return p
@@ -134,9 +164,17 @@ def _versions(args: argparse.Namespace, engine) -> int:
         for v in versions:
             m = (v.metrics or {}).get("test", {}).get("overall", {})
             mark = "*" if champion is not None and champion.id == v.id else " "
+            shadow = (v.metrics or {}).get("shadow")
+            quality = (f"precision@6={m.get('precision_ge6', '?')} recall@6={m.get('recall_ge6', '?')} mae={m.get('mae', '?')}"
+                       if not shadow else f"shadow gain={shadow['gain']:+.4f} mae={shadow['challenger_mae']}")
             print(f"{mark} v{v.id} parent={v.parent_id or '-'} {v.created_at:%Y-%m-%d %H:%M:%S} {v.kind} "
-                  f"precision@6={m.get('precision_ge6', '?')} recall@6={m.get('recall_ge6', '?')} "
-                  f"mae={m.get('mae', '?')} schema={v.feature_schema_hash[:12]} reason={v.reason!r}")
+                  f"{quality} schema={v.feature_schema_hash[:12]} by={v.created_by} reason={v.reason!r}")
+        if args.log:
+            from storage.versions import list_alias_events
+
+            print("champion alias history:")
+            for e in list_alias_events(session, "champion"):
+                print(f"  {e.at:%Y-%m-%d %H:%M:%S} v{e.from_version_id or '-'} -> v{e.to_version_id} by {e.actor}: {e.reason}")
     return 0
 
 
@@ -149,9 +187,12 @@ def _migrate(args: argparse.Namespace, engine) -> int:
 
 def _serve(args: argparse.Namespace, engine) -> int:
     from predictor.champion import load_gate
-    from controller.serve_vllm import ServeOptions, exec_server
 
     load_gate(engine)  # refuse to start without a usable champion
+    if args.engine == "replay":
+        return _serve_replay(args, engine)
+    from controller.serve_vllm import ServeOptions, exec_server
+
     if args.max_running is not None and args.max_running < 1:
         raise ValueError(f"--max-running must be >= 1, got {args.max_running}")
     exec_server(ServeOptions(database_url=engine.url.render_as_string(hide_password=False), host=args.host,
@@ -160,8 +201,61 @@ def _serve(args: argparse.Namespace, engine) -> int:
     return 0
 
 
+def _serve_replay(args: argparse.Namespace, engine) -> int:
+    from controller.serve_replay import ReplayServeOptions, serve_replay
+    from controller.summary import format_serve_summary
+    from predictor.traces import bundled_traces_path, load_traces
+
+    for name in ("max_requests", "batch_size", "tenants"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    records, _ = load_traces(args.traces or [bundled_traces_path()])
+    if args.max_requests:
+        records = records[: args.max_requests]
+    print(f"serving {len(records)} requests on the replay engine (batch {args.batch_size}, {args.tenants} tenants, "
+          f"learning {'off' if args.no_learn else 'on'}); Ctrl-C stops cleanly")
+    opts = ReplayServeOptions(batch_size=args.batch_size, tenants=args.tenants, seed=args.seed,
+                              learn=not args.no_learn, synchronous=args.synchronous)
+    result = serve_replay(engine, records, opts)
+    print(format_serve_summary(result))
+    return 0
+
+
+def _scenario(args: argparse.Namespace, engine) -> int:
+    from controller.scenario_shift import format_report, run_shift, write_report
+    from predictor.warmstart import build_dataset
+
+    if args.others < 0 or args.window_tokens < 1:
+        raise ValueError("--others must be >= 0 and --window-tokens >= 1")
+    report = run_shift(build_dataset(seed=args.seed), args.workload, args.json.parent, others=args.others,
+                       window_tokens=args.window_tokens, seed=args.seed)
+    print(format_report(report))
+    write_report(report, args.json)
+    print(f"report written to {args.json}")
+    return 0
+
+
+def _rollback(args: argparse.Namespace, engine) -> int:
+    from predictor.champion import CHAMPION
+    from storage.engine import session_scope
+    from storage.versions import get_alias_version, get_version, set_alias
+
+    with session_scope(engine) as session:
+        current = get_alias_version(session, CHAMPION)
+        if current is None:
+            raise LookupError("no champion to roll back: run `hvd warmstart`")
+        target = args.to if args.to is not None else current.parent_id
+        if target is None:
+            raise LookupError(f"champion v{current.id} has no parent: give --to VERSION")
+        get_version(session, target)
+        set_alias(session, CHAMPION, target, reason=f"rollback: {args.reason}", actor=args.author)
+    print(f"champion: v{current.id} -> v{target}")
+    return 0
+
+
 _COMMANDS = {"warmstart": _warmstart, "eval": _eval, "serve": _serve, "versions": _versions, "migrate": _migrate,
-             "override": cli_overrides.run}
+             "override": cli_overrides.run, "rollback": _rollback, "scenario": _scenario}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -76,12 +76,7 @@ class EventWriter:
         backoff = self.flush_interval
         while True:
             stopping = self._stop.is_set()
-            got = self.events.get_batch(self.batch_size, timeout=0.0 if stopping else self.flush_interval)
-            self._note(got)
-            self._buffer.extend(got)
-            while len(self._buffer) > self.max_buffered:
-                self._buffer.popleft()
-                self.dropped += 1
+            self._take(self.events.get_batch(self.batch_size, timeout=0.0 if stopping else self.flush_interval))
             ok = True
             if self._buffer:
                 ok = self.flush()
@@ -102,6 +97,23 @@ class EventWriter:
                     if self.keep_events is not None and self._flushes % self.prune_every != 0:
                         self.prune()
                     return
+
+    def drain_now(self) -> bool:
+        """Synchronous use (no thread running): move everything queued into SQL now."""
+        while got := self.events.get_batch(self.batch_size, timeout=0.0):
+            self._take(got)
+        ok = self.flush()
+        if self.stats is not None:
+            ok = self.stats.flush() and ok
+        return ok
+
+    def _take(self, events: list[LabelledEvent]) -> None:
+        """Into the statistics, then into the bounded buffer (oldest dropped and counted)."""
+        self._note(events)
+        self._buffer.extend(events)
+        while len(self._buffer) > self.max_buffered:
+            self._buffer.popleft()
+            self.dropped += 1
 
     def _note(self, events: list[LabelledEvent]) -> None:
         """Aggregate `events` into the stats and record queue drops since the last call."""

@@ -72,7 +72,7 @@ class Runtime:
                  events: EventQueue | None = None, version_id: int | None = None,
                  suffix: SuffixConfig | None = None, clock=time.time,
                  drafter_factory: Callable[[SuffixConfig | None], CacheDrafter] = CacheDrafter,
-                 dense_history: bool = True) -> None:
+                 dense_history: bool = True, stats_sink=None) -> None:
         self.gate = gate
         self.version_id = version_id
         self.classes = classes
@@ -84,6 +84,9 @@ class Runtime:
         # lookup per accepted token.
         self.dense_history = dense_history
         self._deferred: list[tuple[RequestState, CacheDraftRecord]] = []
+        # Tokens and cycles per (tenant, workload), handed to the statistics writer once per step.
+        self.stats_sink = stats_sink
+        self._emitted: dict[tuple[str, str], list[int]] = {}
         self.drafter = drafter_factory(suffix)
         self.requests: dict[str, RequestState] = {}
         self.stats = RuntimeStats()
@@ -135,6 +138,7 @@ class Runtime:
             if plan_source[i] == MODEL:
                 st.model_draft = ModelDraftRecord(st.output_len, self.decision.model_draft_len)
         drafts = [rows.drafts[main_row[i]] if plan_source[i] == CACHE else [] for i in range(n)]
+        self._report_emitted()
         return StepPlan([st.req_id for st in states], plan_source, drafts, predicted, tau, lengths)
 
     def finish(self, req_id: str, last_tokens: Sequence[int] | np.ndarray = ()) -> None:
@@ -151,6 +155,7 @@ class Runtime:
                 none = np.zeros(0, dtype=np.int64)
                 self._record(rows, x, self.gate.predict(x), none, none, none)
             self._emit_deferred()
+            self._report_emitted()
         del self.requests[req_id]
         st.model_draft = None  # planned after the last token: never verified
         for d in st.resolve(final=True):
@@ -183,6 +188,10 @@ class Runtime:
             self.drafter.start(inp.req_id, prompt)
             self.stats.requests_seen += 1
         st.speculate = inp.speculate
+        if len(new):
+            tally = self._emitted.setdefault((st.tenant, st.workload), [0, 0])
+            tally[0] += len(new)
+            tally[1] += 1
         if st.model_draft is not None:
             accepted = max(0, min(len(new) - 1, st.model_draft.draft_len))
             self._emit_model(st, st.model_draft, accepted)
@@ -257,6 +266,13 @@ class Runtime:
         self.events.put(LabelledEvent(self._clock(), st.tenant, st.workload, st.req_id, d.position, DRAFTER_CACHE,
                                       d.decision, len(d.tokens), int(d.label), d.predicted, d.tau, d.version_id,
                                       d.features))
+
+    def _report_emitted(self) -> None:
+        if self._emitted and self.stats_sink is not None:
+            now = self._clock()
+            for (tenant, workload), (tokens, cycles) in self._emitted.items():
+                self.stats_sink.add_steps(now, tenant, workload, self.version_id or 0, tokens, cycles)
+        self._emitted = {}
 
     def _emit_deferred(self) -> None:
         deferred, self._deferred = self._deferred, []

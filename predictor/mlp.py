@@ -14,7 +14,6 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
-from safetensors.numpy import save as st_save
 
 BLOB_FORMAT = "hvd-mlp/1"
 
@@ -94,7 +93,7 @@ class GatePredictor:
             tensors[f"w{i}"] = w
             tensors[f"b{i}"] = b
         meta = {"format": BLOB_FORMAT, "schema_hash": self.schema_hash, "layers": str(len(self.weights))}
-        return st_save(tensors, metadata=meta)
+        return _canonical_safetensors(tensors, meta)
 
     @classmethod
     def from_bytes(cls, blob: bytes, expected_schema_hash: str | None = None) -> "GatePredictor":
@@ -136,6 +135,22 @@ class GatePredictor:
         if not all(np.all(np.isfinite(a)) for a in [mean, *weights, *biases]):
             raise BlobError("predictor blob holds non-finite weights")
         return cls(mean, scale, weights, biases, str(meta["schema_hash"]))
+
+
+def _canonical_safetensors(tensors: dict[str, np.ndarray], meta: dict[str, str]) -> bytes:
+    """The safetensors format written byte-for-byte deterministically (tensors in name order, a
+    sorted header), so equal weights give equal blobs and equal hashes; the library's own writer
+    orders equal-sized tensors arbitrarily."""
+    header: dict[str, object] = {"__metadata__": meta}
+    chunks, offset = [], 0
+    for name in sorted(tensors):
+        data = np.ascontiguousarray(tensors[name], dtype="<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(tensors[name].shape), "data_offsets": [offset, offset + len(data)]}
+        chunks.append(data)
+        offset += len(data)
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + b"".join(chunks)
 
 
 def _metadata(blob: bytes) -> dict[str, str]:

@@ -1,0 +1,16 @@
+"""Printed summaries of serving runs."""
+from __future__ import annotations
+
+from controller.serve_replay import ServeResult
+
+
+def format_serve_summary(result: ServeResult) -> str:
+    lines = [f"{'workload':10s} {'tokens':>9s} {'cycles/1k':>10s} {'cache cycles':>13s} {'model cycles':>13s}"]
+    for w, t in sorted(result.run.by_workload.items()):
+        lines.append(f"{w:10s} {t.tokens:9d} {t.cycles_per_1k:10.1f} {t.cache_cycles:13d} {t.model_cycles:13d}")
+    total = result.run.total()
+    lines.append(f"{'overall':10s} {total.tokens:9d} {total.cycles_per_1k:10.1f} {total.cache_cycles:13d} {total.model_cycles:13d}")
+    lines.append(f"{result.seconds:.1f} s; events written {result.events_written}, dropped {result.events_dropped}; "
+                 f"promotions {result.promotions or 'none'}; drift events {len(result.drifts)}"
+                 + ("; interrupted" if result.interrupted else ""))
+    return "\n".join(lines)
