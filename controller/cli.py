@@ -210,9 +210,11 @@ def _serve_replay(args: argparse.Namespace, engine) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    from controller.serve_replay import round_robin_sources
+
     records, _ = load_traces(args.traces or [bundled_traces_path()])
     if args.max_requests:
-        records = records[: args.max_requests]
+        records = round_robin_sources(records)[: args.max_requests]
     print(f"serving {len(records)} requests on the replay engine (batch {args.batch_size}, {args.tenants} tenants, "
           f"learning {'off' if args.no_learn else 'on'}); Ctrl-C stops cleanly")
     opts = ReplayServeOptions(batch_size=args.batch_size, tenants=args.tenants, seed=args.seed,

@@ -72,6 +72,26 @@ def tenant_of(tenants: int) -> Callable[[TraceRecord], str]:
     return pick_tenant
 
 
+def round_robin_sources(records: Sequence[TraceRecord]) -> list[TraceRecord]:
+    """Whole sessions taken from each source in turn (order kept within a source), so a bounded
+    run sees every workload rather than the first source only."""
+    sessions: dict[str, list[list[TraceRecord]]] = {}
+    index: dict[tuple[str, str], list[TraceRecord]] = {}
+    for r in records:
+        key = (r.source, r.session_id)
+        if key not in index:
+            index[key] = []
+            sessions.setdefault(r.source, []).append(index[key])
+        index[key].append(r)
+    out: list[TraceRecord] = []
+    queues = [list(v) for v in sessions.values()]
+    while any(queues):
+        for q in queues:
+            if q:
+                out.extend(q.pop(0))
+    return out
+
+
 def serve_replay(engine: Engine, records: Sequence[TraceRecord], opts: ReplayServeOptions,
                  log: Callable[[str], None] = print, on_step: Callable[[ReplayRun, Runtime], None] | None = None,
                  ) -> ServeResult:

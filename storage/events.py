@@ -16,7 +16,8 @@ EVENT_COLUMNS = ("at", "tenant", "workload", "request_id", "position", "drafter"
 def insert_events(session: Session, rows: Sequence[dict[str, Any]]) -> int:
     """Insert plain dict rows (keys: EVENT_COLUMNS) in one executemany; returns the count."""
     if rows:
-        session.execute(insert(DecisionEvent), list(rows))
+        # Core executemany: several times faster than the ORM's bulk path for plain rows.
+        session.connection().execute(insert(DecisionEvent.__table__), list(rows))
     return len(rows)
 
 
