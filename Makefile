@@ -47,10 +47,13 @@ $(MODEL_FP32)/config.json: $(STAMP) tools/convert_model.py
 $(EAGLE_HEAD)/config.json: $(MODEL_FP32)/config.json tools/make_eagle3_head.py
 	$(PY) tools/make_eagle3_head.py --target $(MODEL_FP32) --out $(EAGLE_HEAD) --seed 0 --draft-vocab 8192
 
-# The main job on embedded defaults: warm start into SQLite, then the offline evaluation.
+# The main job on embedded defaults (SQLite, bundled traces): warm start if there is no champion,
+# the offline evaluation, then a bounded run of the self-tuning service on the replay engine.
+RUN_REQUESTS ?= 2000
 run: setup
-	$(HVD) --db $(DB) warmstart
+	$(HVD) --db $(DB) versions | grep -q '^\*' || $(HVD) --db $(DB) warmstart
 	$(HVD) --db $(DB) eval --json var/eval.json
+	$(HVD) --db $(DB) serve --engine replay --max-requests $(RUN_REQUESTS)
 
 warmstart: setup
 	$(HVD) --db $(DB) warmstart $(ARGS)

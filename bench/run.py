@@ -166,6 +166,73 @@ def bench_runtime(records, tokenizer) -> None:
               f"({'met' if overhead <= 0.5 * lookups else 'NOT met'})")
 
 
+def bench_learner(records, tokenizer) -> None:
+    """Labelled events per second through the online learner (shadow scoring + updates + drift)."""
+    from predictor.online import Batch, LearnerConfig, OnlineLearner
+
+    result = replay(records, tokenizer)
+    keep = result.draft_len > 0
+    batch = Batch(result.features[keep], result.label[keep].astype(np.float32), result.draft_len[keep].astype(np.int64),
+                  result.row_workload()[keep].astype(np.int64), np.full(int(keep.sum()), 0.7))
+    torch.manual_seed(0)
+    gate = GatePredictor.from_torch(MLP(NUM_FEATURES), schema_hash())
+
+    def goodput(label, k, cache, w):
+        return np.where(cache, label + 1.0, 1.75), np.where(cache, 6.5 + 0.03 * (1 + k), 7.8)
+
+    learner = OnlineLearner(gate, goodput, LearnerConfig())
+    start = time.perf_counter()
+    for i in range(0, len(batch.label), 2000):
+        s = slice(i, i + 2000)
+        learner.learn(Batch(batch.features[s], batch.label[s], batch.draft_len[s], batch.workload[s], batch.tau[s]))
+    rate = len(batch.label) / (time.perf_counter() - start)
+    print(f"online learner: {len(batch.label)} labelled events in batches of 2000: {rate:,.0f} events/s on one core")
+
+
+def bench_writer() -> None:
+    """Events per second the writer (raw events + statistics) sustains into SQLite and PostgreSQL,
+    with a queue large enough that nothing is dropped."""
+    import tempfile
+
+    from sqlalchemy import create_engine, text
+
+    from controller.event_writer import EventWriter
+    from controller.events import EventQueue, LabelledEvent
+    from controller.stats_writer import StatsWriter
+    from storage.migrate import upgrade
+
+    n = 50_000
+    feats = np.zeros(NUM_FEATURES, np.float32).tobytes()
+    events = [LabelledEvent(time.time(), f"t{i % 3}", ("agentic", "sql")[i % 2], f"r{i // 100}", i % 100, "cache",
+                            "cache", 8, i % 9, 3.0, 1.0, 1, feats) for i in range(n)]
+    targets = {"sqlite": (f"sqlite:///{tempfile.mkdtemp()}/bench.db", {})}
+    targets["postgresql"] = ("postgresql+psycopg2://postgres@127.0.0.1:5432/test",
+                             {"options": "-csearch_path=hvd_bench"})
+    for name, (url, connect_args) in targets.items():
+        engine = create_engine(url, connect_args=connect_args)
+        try:
+            if name == "postgresql":
+                with engine.begin() as c:
+                    c.execute(text("DROP SCHEMA IF EXISTS hvd_bench CASCADE; CREATE SCHEMA hvd_bench"))
+            upgrade(engine)
+        except Exception as exc:  # noqa: BLE001 - a missing server is reported, not fatal
+            print(f"writer into {name}: skipped ({str(exc).splitlines()[0]})")
+            continue
+        queue = EventQueue(n + 1)
+        for e in events:
+            queue.put(e)
+        writer = EventWriter(engine, queue, batch_size=5000, stats=StatsWriter(engine))
+        start = time.perf_counter()
+        ok = writer.drain_now()
+        rate = n / (time.perf_counter() - start)
+        print(f"event writer into {name}: {n} events (raw rows + statistics buckets) at {rate:,.0f} events/s, "
+              f"dropped {queue.dropped + writer.dropped}, {'ok' if ok else 'FAILED'}")
+        if name == "postgresql":
+            with engine.begin() as c:
+                c.execute(text("DROP SCHEMA hvd_bench CASCADE"))
+        engine.dispose()
+
+
 def main() -> None:
     torch.set_num_threads(1)
     records, _ = load_traces([bundled_traces_path()])
@@ -173,6 +240,8 @@ def main() -> None:
     bench_replay(subset(records, 40), tokenizer)
     bench_gate(subset(records, 60), tokenizer)
     bench_runtime(subset(records, 80), tokenizer)
+    bench_learner(subset(records, 30), tokenizer)
+    bench_writer()
 
 
 if __name__ == "__main__":

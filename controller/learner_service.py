@@ -34,6 +34,8 @@ class LearnerStats:
     promotions: list[int] = field(default_factory=list)
     drifts: list[tuple[str, int]] = field(default_factory=list)
     cursor: int = 0
+    first_cursor: int = 0  # where this learner started reading as leader
+    leader_since: datetime | None = None
     last_update: datetime | None = None
 
 
@@ -90,6 +92,13 @@ class LearnerService:
         self.stats.events += len(rows)
         return len(rows)
 
+    def _take_over(self) -> None:
+        """Just became leader: what earlier leaders learned is in the champion; start at the end."""
+        with session_scope(self.engine) as s:
+            self.stats.cursor = last_event_id(s)
+        self.stats.leader_since = datetime.now(timezone.utc)
+        self.stats.first_cursor = self.stats.cursor
+
     def _promote(self, score) -> None:
         challenger = self.learner.challenger()
         with session_scope(self.engine) as s:
@@ -130,10 +139,14 @@ class LearnerService:
     # ---------------------------------------------------------------- the thread
     def start(self, interval: float = 0.5) -> "LearnerService":
         def loop() -> None:
+            was_leading = self.lock is None
             while not self._stop.is_set():
                 leading = self.lock is None or self.lock.is_leader or self.lock.try_acquire()
                 if leading and self.lock is not None:
                     self.lock.renew()
+                if leading and not was_leading:
+                    self._take_over()
+                was_leading = leading
                 read = self.run_once() if leading else 0
                 if read < self.batch_events:
                     self._stop.wait(interval)

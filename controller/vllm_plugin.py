@@ -20,7 +20,7 @@ Per-request metadata (`SamplingParams.extra_args`, `vllm_xargs` in the OpenAI AP
 Environment: HVD_DATABASE_URL (where the champion is read and events written), HVD_FALLBACK
 (model | none; default from the method), HVD_MODEL_DRAFT_LEN (3), HVD_COST_PROFILE (cpu-smollm2),
 HVD_MAX_RUNNING / HVD_BACKOFF (batch-size back-off), HVD_FIXED_TAU, HVD_DEFAULT_WORKLOAD (chat),
-HVD_DEFAULT_TENANT (default).
+HVD_DEFAULT_TENANT (default), HVD_LEARN (1: the replica holding the learner lock learns online).
 """
 from __future__ import annotations
 
@@ -28,13 +28,18 @@ import atexit
 import dataclasses
 import logging
 import os
+import socket
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from controller.control_poller import ControlPoller
 from controller.decision import CACHE, MODEL, DecisionConfig
 from controller.event_writer import EventWriter
+from controller.learner_service import LearnerService
 from controller.runtime import RequestInput, Runtime
+from controller.stats_writer import StatsWriter
+from storage.leader import make_leader_lock
 
 SUPPORTED_VLLM = "0.32.0"
 ENV_ENABLE = "HVD_HYBRID"
@@ -99,8 +104,9 @@ def runtimes() -> list[Runtime]:
 def flush(timeout: float = 30.0) -> None:
     """Write every queued event to SQL now (tests; process exit)."""
     for s in _STATES:
-        s.writer.stop(timeout)
-        s.writer = EventWriter(s.writer.engine, s.runtime.events).start()
+        old = s.writer
+        old.stop(timeout)
+        s.writer = EventWriter(old.engine, s.runtime.events, stats=old.stats, keep_events=old.keep_events).start()
 
 
 @dataclass
@@ -114,6 +120,7 @@ class PluginSettings:
     fixed_tau: float | None
     default_workload: str
     default_tenant: str
+    learn: bool
 
     @classmethod
     def from_env(cls) -> "PluginSettings":
@@ -136,6 +143,7 @@ class PluginSettings:
             fixed_tau=num("HVD_FIXED_TAU", float, None),
             default_workload=os.environ.get("HVD_DEFAULT_WORKLOAD", "chat"),
             default_tenant=os.environ.get("HVD_DEFAULT_TENANT", "default"),
+            learn=_truthy(os.environ.get("HVD_LEARN", "1")),
         )
 
 
@@ -177,8 +185,17 @@ class HybridState:
             num_speculative_tokens=self.k_max,
         )
         self.settings = settings
-        self.runtime = Runtime(gate, tokenizer.classes, decision, version_id=version_id, suffix=suffix)
-        self.writer = EventWriter(engine, self.runtime.events).start()
+        stats = StatsWriter(engine)
+        self.runtime = Runtime(gate, tokenizer.classes, decision, version_id=version_id, suffix=suffix,
+                               stats_sink=stats)
+        self.writer = EventWriter(engine, self.runtime.events, stats=stats, keep_events=2_000_000).start()
+        # Every replica follows the control plane; the one holding the lock also learns.
+        self.poller = ControlPoller(engine, self.runtime).start()
+        self.learner = None
+        if settings.learn:
+            replica = f"{socket.gethostname()}-{os.getpid()}"
+            self.learner = LearnerService(engine, decision, replica=replica,
+                                          lock=make_leader_lock(engine, "learner", replica)).start()
         log.info("HVD hybrid drafter on: predictor v%s, fallback %s, K_MAX %d", version_id, fallback, self.k_max)
 
     def propose(self, runner, original, scheduler_output, sampled_token_ids, args, kwargs) -> list[list[int]]:
@@ -256,4 +273,7 @@ def _truthy(value) -> bool:
 @atexit.register
 def _drain_at_exit() -> None:
     for s in _STATES:
+        if s.learner is not None:
+            s.learner.stop(10.0)
+        s.poller.stop(5.0)
         s.writer.stop(10.0)
