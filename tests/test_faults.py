@@ -3,7 +3,6 @@ overrides, buffers statistics up to a bound (dropping and counting beyond it), a
 when the database returns."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from sqlalchemy import create_engine

@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 import ast
 import math
-import os
-import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
@@ -19,9 +17,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sqlalchemy import Engine, create_engine, func, select, text
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import OperationalError
+from sqlalchemy import Engine, func, select
 
 from controller import cli_overrides
 from predictor.traces import WORKLOADS
@@ -45,42 +41,7 @@ from storage.overrides import (
     validate_spec,
 )
 
-PG_URL = os.environ.get(
-    "HVD_TEST_POSTGRES_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
-)
 NOW = datetime(2026, 11, 29, 12, 0, 0, tzinfo=timezone.utc)
-
-
-def _postgres_schema_url() -> Iterator[str]:
-    if os.environ.get("HVD_SKIP_POSTGRES") == "1":
-        pytest.skip("HVD_SKIP_POSTGRES=1")
-    schema = f"hvd_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_URL)
-    try:
-        with admin.begin() as conn:
-            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-    except OperationalError as exc:
-        admin.dispose()
-        pytest.fail(
-            f"PostgreSQL test server unreachable at {make_url(PG_URL).render_as_string()}: "
-            f"{exc.orig}. Start it, or set HVD_SKIP_POSTGRES=1 to skip PostgreSQL tests.",
-            pytrace=False,
-        )
-    try:
-        url = make_url(PG_URL).update_query_dict({"options": f"-csearch_path={schema}"})
-        yield url.render_as_string(hide_password=False)
-    finally:
-        with admin.begin() as conn:
-            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'hvd.db'}"
-    else:
-        yield from _postgres_schema_url()
 
 
 @pytest.fixture

@@ -12,12 +12,12 @@ import random
 import signal
 import threading
 import time
-import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import PG_URL
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import Engine, create_engine, func, select, text
@@ -37,41 +37,11 @@ from storage.stats import (ALL, HIST_BINS, BucketDelta, add_dropped, add_steps, 
                            merge_deltas, prune_events, read_buckets, upsert_buckets)
 from storage.versions import create_version, get_alias_version, set_alias, verify_blob
 
-PG_URL = os.environ.get("HVD_TEST_POSTGRES_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
 T0 = 1_700_000_040.0  # a bucket boundary (multiple of 60)
 SPAWN = mp.get_context("spawn")
 
 
 # --- fixtures -------------------------------------------------------------------------------------
-
-
-def _postgres_schema_url() -> Iterator[str]:
-    if os.environ.get("HVD_SKIP_POSTGRES") == "1":
-        pytest.skip("HVD_SKIP_POSTGRES=1")
-    schema = f"hvd_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_URL)
-    try:
-        with admin.begin() as conn:
-            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-    except OperationalError as exc:
-        admin.dispose()
-        pytest.fail(f"PostgreSQL test server unreachable at {make_url(PG_URL).render_as_string()}: {exc.orig}. "
-                    "Start it, or set HVD_SKIP_POSTGRES=1 to skip PostgreSQL tests.", pytrace=False)
-    try:
-        url = make_url(PG_URL).update_query_dict({"options": f"-csearch_path={schema}"})
-        yield url.render_as_string(hide_password=False)
-    finally:
-        with admin.begin() as conn:
-            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'hvd.db'}"
-    else:
-        yield from _postgres_schema_url()
 
 
 @pytest.fixture

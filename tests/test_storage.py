@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
-import uuid
 from collections.abc import Iterator
 from datetime import timezone
 from pathlib import Path
 
 import pytest
+from conftest import PG_URL
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Engine, create_engine, inspect, text, update
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy import Engine, inspect, update
+from sqlalchemy.exc import IntegrityError
 
 from storage import CorruptBlobError, StorageError
 from storage.engine import make_engine, session_scope
@@ -39,44 +37,9 @@ from storage.versions import (
     verify_blob,
 )
 
-PG_URL = os.environ.get(
-    "HVD_TEST_POSTGRES_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
-)
 TABLES = {"predictor_versions", "aliases", "alias_events", "decision_events", "tau_overrides", "tau_history",
           "stat_buckets", "drift_events", "leases"}
 SCHEMA_HASH = "a" * 64
-
-
-def _postgres_schema_url() -> Iterator[str]:
-    if os.environ.get("HVD_SKIP_POSTGRES") == "1":
-        pytest.skip("HVD_SKIP_POSTGRES=1")
-    schema = f"hvd_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_URL)
-    try:
-        with admin.begin() as conn:
-            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-    except OperationalError as exc:
-        admin.dispose()
-        pytest.fail(
-            f"PostgreSQL test server unreachable at {make_url(PG_URL).render_as_string()}: "
-            f"{exc.orig}. Start it, or set HVD_SKIP_POSTGRES=1 to skip PostgreSQL tests.",
-            pytrace=False,
-        )
-    try:
-        url = make_url(PG_URL).update_query_dict({"options": f"-csearch_path={schema}"})
-        yield url.render_as_string(hide_password=False)
-    finally:
-        with admin.begin() as conn:
-            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'hvd.db'}"
-    else:
-        yield from _postgres_schema_url()
 
 
 @pytest.fixture

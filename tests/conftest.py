@@ -1,0 +1,45 @@
+"""Database fixtures shared by the storage tests: every test runs on SQLite and on the real
+PostgreSQL server, each PostgreSQL test in a throwaway schema."""
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, make_url, text
+from sqlalchemy.exc import OperationalError
+
+PG_URL = os.environ.get("HVD_TEST_POSTGRES_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
+
+
+def postgres_schema_url() -> Iterator[str]:
+    """A URL into a fresh schema, dropped afterwards. A server that is down fails the test, unless
+    HVD_SKIP_POSTGRES=1 says to skip PostgreSQL."""
+    if os.environ.get("HVD_SKIP_POSTGRES") == "1":
+        pytest.skip("HVD_SKIP_POSTGRES=1")
+    schema = f"hvd_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(PG_URL)
+    try:
+        with admin.begin() as conn:
+            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    except OperationalError as exc:
+        admin.dispose()
+        pytest.fail(f"PostgreSQL test server unreachable at {make_url(PG_URL).render_as_string()}: {exc.orig}. "
+                    "Start it, or set HVD_SKIP_POSTGRES=1 to skip PostgreSQL tests.", pytrace=False)
+    try:
+        url = make_url(PG_URL).update_query_dict({"options": f"-csearch_path={schema}"})
+        yield url.render_as_string(hide_password=False)
+    finally:
+        with admin.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'hvd.db'}"
+    else:
+        yield from postgres_schema_url()
