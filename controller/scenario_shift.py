@@ -88,7 +88,7 @@ def run_shift(data: Dataset, workload: str, folder: Path, others: int = 400, win
                 points.append((t.tokens, t.cycles))
 
         opts = ReplayServeOptions(batch_size=8, seed=seed, learn=learn, synchronous=True, sync_every=20,
-                                  progress_seconds=30.0, learner=LearnerConfig(seed=seed, promote_min_events=1000))
+                                  progress_seconds=30.0, learner=LearnerConfig(seed=seed, promote_min_events=2000, window=4000))
         result = serve_replay(make_engine(url), stream, opts, log=log, on_step=on_step)
         final = result.run.by_workload[workload]
         points.append((final.tokens, final.cycles))

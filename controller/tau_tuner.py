@@ -16,7 +16,7 @@ from controller.decision import DecisionConfig, fallback_sources, rule_threshold
 from predictor.online import Batch
 from predictor.traces import WORKLOADS
 
-MAX_CORRECTION = 1.0
+MAX_CORRECTION = 0.5
 NEAR = 1.0  # predictions within this distance of tau inform the correction
 TYPICAL_DRAFT = 8  # the draft length at which tau is reported in tau history
 
@@ -43,8 +43,8 @@ class TauChange:
 @dataclass
 class TauTuner:
     decision: DecisionConfig
-    decay: float = 0.02  # weight of each new observation in the running estimates
-    min_near: int = 200  # near-threshold drafts before the correction moves
+    decay: float = 0.005  # weight of each new observation in the bias estimate (~200-event memory)
+    min_near: int = 500  # near-threshold drafts before the correction moves
     report_step: float = 0.05  # a tau change smaller than this is not written to history
     state: dict[str, WorkloadTau] = field(default_factory=dict)
 

@@ -29,12 +29,13 @@ class LearnerConfig:
     batch_size: int = 256  # new events per update
     replay_ratio: float = 1.0  # replayed rows per new row
     buffer_per_workload: int = 20_000
-    learning_rate: float = 5e-4
+    learning_rate: float = 1e-4
     drift_boost: float = 4.0  # learning-rate multiplier right after a drift
     boost_updates: int = 40
     adwin_delta: float = 0.002
-    window: int = 5_000  # shadow-scoring window (events)
-    promote_min_events: int = 2_000  # scored events since the last promotion before another
+    drift_chunk: int = 200  # ADWIN sees the mean error of each chunk of a workload's events
+    window: int = 20_000  # shadow-scoring window (events)
+    promote_min_events: int = 20_000  # scored events since the last promotion before another
     promote_margin: float = 0.01  # challenger goodput must beat the champion's by this fraction
     max_mae_increase: float = 0.05  # and its calibration must not be worse by more than this
 
@@ -97,7 +98,8 @@ class OnlineLearner:
         self.model = _to_torch(champion)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.config.learning_rate)
         self._buffers = {w: _Reservoir(self.config.buffer_per_workload, NUM_FEATURES, self._rng) for w in range(len(WORKLOADS))}
-        self._adwin = {w: drift.ADWIN(delta=self.config.adwin_delta) for w in range(len(WORKLOADS))}
+        self._adwin = {w: drift.ADWIN(delta=self.config.adwin_delta, clock=1) for w in range(len(WORKLOADS))}
+        self._pending_errors: dict[int, list[float]] = {}
         self._window: deque[tuple[float, float, float, float, float, float]] = deque(maxlen=self.config.window)
         self._since_promotion = 0
         self._boost = 0
@@ -155,13 +157,19 @@ class OnlineLearner:
                                 err_b.tolist()))
 
     def _detect_drift(self, batch: Batch) -> list[DriftSignal]:
+        """ADWIN per workload on the champion's mean absolute error over chunks of events: drafts
+        of one request are strongly correlated, and ADWIN on single events raises false alarms."""
         errors = np.abs(self.champion.predict(batch.features) - batch.label)
         signals = []
-        for w, err in zip(batch.workload.tolist(), errors.tolist()):
-            detector = self._adwin[w]
-            detector.update(err)
-            if detector.drift_detected:
-                signals.append(DriftSignal(WORKLOADS[w], self.events_seen, float(detector.estimation)))
+        for w in np.unique(batch.workload).tolist():
+            pending = self._pending_errors.setdefault(w, [])
+            pending.extend(errors[batch.workload == w].tolist())
+            while len(pending) >= self.config.drift_chunk:
+                chunk, pending[:] = pending[: self.config.drift_chunk], pending[self.config.drift_chunk :]
+                detector = self._adwin[w]
+                detector.update(float(np.mean(chunk)))
+                if detector.drift_detected:
+                    signals.append(DriftSignal(WORKLOADS[w], self.events_seen, float(detector.estimation)))
         return signals
 
     def _update(self, x_new: np.ndarray, y_new: np.ndarray) -> None:

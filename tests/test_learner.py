@@ -27,7 +27,8 @@ from storage.models import DriftEvent
 from storage.versions import create_version, get_alias_version, list_alias_events, list_versions, set_alias
 
 DRAFTER = drafter_profiles()["eagle3-1.75"]
-SMALL = LearnerConfig(seed=3, batch_size=128, promote_min_events=400, window=2000, promote_margin=0.01)
+SMALL = LearnerConfig(seed=3, batch_size=128, promote_min_events=400, window=2000, promote_margin=0.01,
+                      learning_rate=5e-4, drift_chunk=20)
 
 
 def constant_gate(value: float, hidden: int = 16) -> GatePredictor:
