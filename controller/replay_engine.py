@@ -93,8 +93,8 @@ def run_replay(runtime: Runtime, records: Sequence[TraceRecord], tokenizer: Trac
                     continue
                 item = _Live(rec, tokenizer.encode_context(rec), out, emitted=1, pending_new=out[:1])
                 tally = run.by_workload.setdefault(rec.workload, WorkloadTally())
-                tally.tokens += len(out)
-                tally.cycles += 1  # prefill emits the first token
+                tally.tokens += 1  # prefill emits the first token
+                tally.cycles += 1
                 live.append(item)
             for x in live:
                 if x.emitted >= len(x.out):
@@ -125,6 +125,7 @@ def run_replay(runtime: Runtime, records: Sequence[TraceRecord], tokenizer: Trac
                 emit = min(accepted + 1, len(x.out) - t)
                 x.pending_new = x.out[t : t + emit]
                 x.emitted = t + emit
+                tally.tokens += emit
                 tally.cycles += 1
             if on_step is not None:
                 on_step(run)
