@@ -69,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("--batch-size", type=int, default=8, help="requests decoded together (default 8)")
     rp.add_argument("--tenants", type=int, default=3, help="tenants the sessions are spread over (default 3)")
     rp.add_argument("--no-learn", action="store_true", help="serve without the online learner")
+    rp.add_argument("--oracle", action="store_true",
+                    help="decide with each cache draft's true accepted length (the upper bound; implies --no-learn)")
     rp.add_argument("--synchronous", action="store_true",
                     help="run writers and learner inside the serving loop: deterministic, slower")
     rp.add_argument("--seed", type=int, default=0)
@@ -218,7 +220,8 @@ def _serve_replay(args: argparse.Namespace, engine) -> int:
     print(f"serving {len(records)} requests on the replay engine (batch {args.batch_size}, {args.tenants} tenants, "
           f"learning {'off' if args.no_learn else 'on'}); Ctrl-C stops cleanly")
     opts = ReplayServeOptions(batch_size=args.batch_size, tenants=args.tenants, seed=args.seed,
-                              learn=not args.no_learn, synchronous=args.synchronous)
+                              learn=not (args.no_learn or args.oracle), synchronous=args.synchronous,
+                              oracle=args.oracle)
     result = serve_replay(engine, records, opts)
     print(format_serve_summary(result))
     return 0

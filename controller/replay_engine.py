@@ -75,8 +75,12 @@ def model_draft_accepted(drafter: DrafterProfile, seed: int, trace_id: str, posi
 
 def run_replay(runtime: Runtime, records: Sequence[TraceRecord], tokenizer: TraceTokenizer,
                drafter: DrafterProfile, batch_size: int = 1, seed: int = 0, tenant_of: Callable[[TraceRecord], str] | None = None,
-               on_step: Callable[[ReplayRun], None] | None = None, stop: Callable[[], bool] | None = None) -> ReplayRun:
-    """Serve `records` through `runtime` deployment by deployment; returns cycles and tokens per workload."""
+               on_step: Callable[[ReplayRun], None] | None = None, stop: Callable[[], bool] | None = None,
+               oracle: bool = False) -> ReplayRun:
+    """Serve `records` through `runtime` deployment by deployment; returns cycles and tokens per workload.
+
+    oracle=True replaces the gate's decision by perfect knowledge of each cache draft's accepted
+    length against the same tau: the upper bound for this serving setting (batching included)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     run = ReplayRun()
@@ -108,6 +112,8 @@ def run_replay(runtime: Runtime, records: Sequence[TraceRecord], tokenizer: Trac
                 x.started = True
             plan = runtime.step(inputs)
             run.steps += 1
+            if oracle:
+                _oracle_decisions(plan, live)
             for i, x in enumerate(live):
                 t = x.emitted
                 tally = run.by_workload[x.record.workload]
@@ -132,3 +138,17 @@ def run_replay(runtime: Runtime, records: Sequence[TraceRecord], tokenizer: Trac
         for x in live:  # stopped early: end what is running
             runtime.finish(x.record.trace_id)
     return run
+
+
+def _oracle_decisions(plan, live: list[_Live]) -> None:
+    """Verify a cache draft iff its true accepted length beats the plan's tau; else the plan's
+    fallback (the model drafter, or nothing where the runtime chose none)."""
+    for i, x in enumerate(live):
+        draft = plan.cache_drafts[i]
+        if not draft or not np.isfinite(plan.tau[i]):
+            continue
+        y = lcp(draft, x.out[x.emitted : x.emitted + len(draft)].tolist())
+        if y > plan.tau[i]:
+            plan.source[i], plan.drafts[i] = CACHE, draft
+        elif plan.source[i] == CACHE:
+            plan.source[i], plan.drafts[i] = MODEL, []

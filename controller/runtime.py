@@ -52,6 +52,7 @@ class StepPlan:
     predicted: np.ndarray  # float32, NaN where no cache draft was scored
     tau: np.ndarray  # float32, NaN where no cache draft was scored
     cache_len: np.ndarray  # int: length of the cache draft that was considered (0 if none)
+    cache_drafts: list[list[int]] = field(default_factory=list)  # every request's cache draft, verified or not
 
     def rows(self, source: int) -> list[int]:
         return np.flatnonzero(self.source == source).tolist()
@@ -137,9 +138,10 @@ class Runtime:
             self.stats.decisions[SOURCE_NAMES[int(plan_source[i])]] += 1
             if plan_source[i] == MODEL:
                 st.model_draft = ModelDraftRecord(st.output_len, self.decision.model_draft_len)
-        drafts = [rows.drafts[main_row[i]] if plan_source[i] == CACHE else [] for i in range(n)]
+        cache_drafts = [rows.drafts[main_row[i]] if main_row[i] >= 0 else [] for i in range(n)]
+        drafts = [cache_drafts[i] if plan_source[i] == CACHE else [] for i in range(n)]
         self._report_emitted()
-        return StepPlan([st.req_id for st in states], plan_source, drafts, predicted, tau, lengths)
+        return StepPlan([st.req_id for st in states], plan_source, drafts, predicted, tau, lengths, cache_drafts)
 
     def finish(self, req_id: str, last_tokens: Sequence[int] | np.ndarray = ()) -> None:
         """The request ended (after emitting `last_tokens`, if the engine has not reported them):

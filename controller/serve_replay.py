@@ -47,6 +47,7 @@ class ReplayServeOptions:
     synchronous: bool = False
     sync_every: int = 50  # steps between synchronous learner rounds
     progress_seconds: float = 5.0
+    oracle: bool = False  # decide with the true accepted lengths (the upper bound); learning off
     learner: LearnerConfig = field(default_factory=LearnerConfig)
 
 
@@ -150,7 +151,8 @@ def serve_replay(engine: Engine, records: Sequence[TraceRecord], opts: ReplaySer
 
     try:
         run = run_replay(runtime, records, tokenizer, drafter, batch_size=opts.batch_size, seed=opts.seed,
-                         tenant_of=tenant_of(opts.tenants), on_step=step_hook, stop=lambda: interrupted)
+                         tenant_of=tenant_of(opts.tenants), on_step=step_hook, stop=lambda: interrupted,
+                         oracle=opts.oracle)
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
