@@ -72,6 +72,9 @@ def main() -> None:
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one method, print JSON
     args = parser.parse_args()
     os.environ.setdefault("HVD_DATABASE_URL", f"sqlite:///{ve.REPO_ROOT / 'var' / 'hvd.db'}")
+    # The decode path is what is measured: on a CPU-bound host an in-process learner takes cores
+    # from the model (run it in its own process, e.g. next to `hvd serve`).
+    os.environ.setdefault("HVD_LEARN", "0")
     if args.one:
         prompts = [ids for _, ids in ve.trace_prompts(("agentic",), args.prompts, max_tokens=1000)]
         print("RESULT " + json.dumps(run_method(args.one, args.batches[0], prompts, args.max_tokens)))
