@@ -30,8 +30,8 @@ from predictor.traces import WORKLOADS
 from storage.overrides import OverrideSnapshot
 
 
-class RuntimeError_(RuntimeError):
-    pass
+class RequestInputError(ValueError):
+    """A request the runtime cannot take: unknown workload, first sight without a prompt."""
 
 
 @dataclass(slots=True)
@@ -121,14 +121,12 @@ class Runtime:
                 main_row[i] = self._draft_row(st, rows, shadow=False)
         lengths = np.zeros(n, dtype=np.int64)
         predicted = np.full(n, np.nan, dtype=np.float32)
-        x = None
         if rows.count:
             x = rows.features(self.classes)
             row_pred = self.gate.predict(x)
             has_row = main_row >= 0
             lengths[has_row] = rows.lengths[main_row[has_row]]
             predicted[has_row] = row_pred[main_row[has_row]]
-            predicted[lengths == 0] = np.nan
         allowed = np.array([st.speculate for st in states], dtype=bool) & speculating
         plan_source, tau = self._decide(states, predicted, lengths, allowed)
         if rows.count:
@@ -168,7 +166,7 @@ class Runtime:
     def reset_cache(self) -> None:
         """A fresh suffix cache (a new deployment); only allowed with no request running."""
         if self.requests:
-            raise RuntimeError_(f"cannot reset the cache with {len(self.requests)} requests running")
+            raise RequestInputError(f"cannot reset the cache with {len(self.requests)} requests running")
         self.drafter = self._drafter_factory(self.drafter.config)
 
     # ---------------------------------------------------------------- internals
@@ -180,9 +178,9 @@ class Runtime:
         new = np.asarray(inp.new_tokens, dtype=np.int32)
         if st is None:
             if inp.prompt is None:
-                raise RuntimeError_(f"request {inp.req_id!r} seen for the first time without its prompt")
+                raise RequestInputError(f"request {inp.req_id!r} seen for the first time without its prompt")
             if inp.workload not in WORKLOADS:
-                raise RuntimeError_(f"request {inp.req_id!r}: unknown workload {inp.workload!r}; known: {WORKLOADS}")
+                raise RequestInputError(f"request {inp.req_id!r}: unknown workload {inp.workload!r}; known: {WORKLOADS}")
             prompt = np.asarray(inp.prompt, dtype=np.int32)
             st = RequestState.create(inp.req_id, inp.tenant, inp.workload, WORKLOADS.index(inp.workload), prompt,
                                      inp.speculate)

@@ -39,6 +39,7 @@ from controller.event_writer import EventWriter
 from controller.learner_service import LearnerService
 from controller.runtime import RequestInput, Runtime
 from controller.stats_writer import StatsWriter
+from predictor.traces import WORKLOADS
 from storage.leader import make_leader_lock
 
 SUPPORTED_VLLM = "0.32.0"
@@ -160,6 +161,8 @@ class HybridState:
         from storage.settings import database_url
 
         settings = PluginSettings.from_env()
+        if settings.default_workload not in WORKLOADS:
+            raise PluginConfigError(f"HVD_DEFAULT_WORKLOAD={settings.default_workload!r} is not one of {WORKLOADS}")
         spec = runner.speculative_config
         self.k_max = int(spec.num_speculative_tokens)
         fallback = settings.fallback or ("model" if spec.method == "eagle3" else "none")
@@ -209,10 +212,15 @@ class HybridState:
                 continue
             extra = _extra_args(runner, req_id)
             prompt = None if req_id in known else ib.token_ids_cpu[i, : int(ib.num_prompt_tokens[i])].copy()
+            workload = str(extra.get("hvd_workload", self.settings.default_workload))
+            if workload not in WORKLOADS:  # a client's typo must not take the engine down
+                log.warning("request %s: unknown hvd_workload %r (known: %s); using %r", req_id, workload,
+                            ", ".join(WORKLOADS), self.settings.default_workload)
+                workload = self.settings.default_workload
             inputs.append(RequestInput(
                 req_id, valid[i], prompt,
-                tenant=str(extra.get("hvd_tenant", self.settings.default_tenant)),
-                workload=str(extra.get("hvd_workload", self.settings.default_workload)),
+                tenant=str(extra.get("hvd_tenant", self.settings.default_tenant))[:128],
+                workload=workload,
                 speculate=_truthy(extra.get("hvd_speculate", True)),
             ))
             rows.append(i)

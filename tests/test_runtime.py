@@ -9,7 +9,7 @@ from controller.decision import CACHE, MODEL, NONE, DecisionConfig
 from controller.event_writer import EventWriter
 from controller.events import EventQueue, LabelledEvent
 from controller.replay_engine import run_replay
-from controller.runtime import RequestInput, Runtime, RuntimeError_
+from controller.runtime import RequestInput, Runtime, RequestInputError
 from predictor.cache_drafter import CacheDrafter
 from predictor.features import FEATURE_NAMES, NUM_FEATURES, schema_hash
 from predictor.labels import lcp
@@ -145,9 +145,9 @@ def test_model_acceptance_recorded_from_next_step_tokens(tokenizer, gate):
 
 def test_bad_requests_are_clear_errors(tokenizer, gate):
     runtime = Runtime(gate, tokenizer.classes)
-    with pytest.raises(RuntimeError_, match="without its prompt"):
+    with pytest.raises(RequestInputError, match="without its prompt"):
         runtime.step([RequestInput("x", [1])])
-    with pytest.raises(RuntimeError_, match="unknown workload 'poetry'"):
+    with pytest.raises(RequestInputError, match="unknown workload 'poetry'"):
         runtime.step([RequestInput("y", [1], [1, 2], workload="poetry")])
     with pytest.raises(ValueError, match="fallback"):
         DecisionConfig(fallback="eagle")
