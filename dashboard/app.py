@@ -1,0 +1,22 @@
+"""HVD dashboard: `streamlit run dashboard/app.py` (database from HVD_DATABASE_URL, else sqlite:///var/hvd.db)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `streamlit run` puts dashboard/ first, not the checkout
+    sys.path.insert(0, str(ROOT))
+
+import streamlit as st  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+st.set_page_config(page_title="HVD", layout="wide")
+PAGES = [
+    st.Page(str(HERE / "pages" / "overview.py"), title="Overview", url_path="overview", default=True),
+    st.Page(str(HERE / "pages" / "quality.py"), title="Predictor quality", url_path="quality"),
+    st.Page(str(HERE / "pages" / "thresholds.py"), title="Thresholds", url_path="thresholds"),
+    st.Page(str(HERE / "pages" / "versions.py"), title="Versions", url_path="versions"),
+    st.Page(str(HERE / "pages" / "health.py"), title="Health", url_path="health"),
+]
+st.navigation(PAGES).run()

@@ -1,0 +1,276 @@
+"""Read-only queries behind the dashboard, returning plain data (lists of dicts, dicts).
+
+Every query is a SQLAlchemy construct (no SQL assembled from strings) and takes a caller-owned
+Session; nothing here writes. The dashboard (and its tests) compare what is shown with these.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Engine, func, inspect, select
+from sqlalchemy.orm import Session
+
+from storage.models import (
+    Alias,
+    AliasEvent,
+    DecisionEvent,
+    DriftEvent,
+    PredictorVersion,
+    StatBucket,
+    TauHistory,
+    utcnow,
+)
+from storage.overrides import list_overrides, override_state, snapshot
+from storage.stats import HIST_BINS, LONG
+
+REQUIRED_TABLES = ("predictor_versions", "aliases", "decision_events", "stat_buckets", "tau_history", "tau_overrides")
+DEFAULT_SAMPLE = 50_000  # newest decision events used for calibration and the PR curve
+TAU_GRID: tuple[float, ...] = tuple(x / 2 for x in range(-2, 49))  # -1.0 .. 24.0 step 0.5
+
+
+def missing_tables(engine: Engine) -> list[str]:
+    """Tables the dashboard needs that the database lacks (a fresh URL: run the migrations)."""
+    present = set(inspect(engine).get_table_names())
+    return [t for t in REQUIRED_TABLES if t not in present]
+
+
+def is_empty(session: Session) -> bool:
+    """No version, no statistics and no decisions yet (a fresh install)."""
+    for model in (PredictorVersion, StatBucket, DecisionEvent):
+        if session.scalar(select(func.count()).select_from(model)):
+            return False
+    return True
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return None if not den else num / den
+
+
+def _filters(stmt, tenant: str | None, workload: str | None):
+    if tenant is not None:
+        stmt = stmt.where(StatBucket.tenant == tenant)
+    if workload is not None:
+        stmt = stmt.where(StatBucket.workload == workload)
+    return stmt
+
+
+def tenants(session: Session) -> list[str]:
+    return list(session.scalars(select(StatBucket.tenant).distinct().order_by(StatBucket.tenant)))
+
+
+def workloads(session: Session) -> list[str]:
+    return list(session.scalars(select(StatBucket.workload).distinct().order_by(StatBucket.workload)))
+
+
+def _path_row(tokens: int, cycles: int, cache_verified: int, model_drafts: int) -> dict[str, Any]:
+    none = max(cycles - cache_verified - model_drafts, 0)
+    per_1k = (lambda n: None if not tokens else 1000.0 * n / tokens)
+    return {
+        "tokens": tokens,
+        "cycles": cycles,
+        "cache_verified": cache_verified,
+        "model_drafts": model_drafts,
+        "no_draft": none,
+        "tokens_per_cycle": _ratio(tokens, cycles),
+        "cycles_per_1k": per_1k(cycles),
+        "cycles_per_1k_cache": per_1k(cache_verified),
+        "cycles_per_1k_model": per_1k(model_drafts),
+        "cycles_per_1k_none": per_1k(none),
+        # Without speculation every token costs one decode cycle: speedup = tokens / cycles.
+        "speedup": _ratio(tokens, cycles),
+    }
+
+
+_PATH_SUMS = (
+    func.coalesce(func.sum(StatBucket.tokens), 0),
+    func.coalesce(func.sum(StatBucket.cycles), 0),
+    func.coalesce(func.sum(StatBucket.cache_verified), 0),
+    func.coalesce(func.sum(StatBucket.model_drafts), 0),
+)
+
+
+def overview_totals(session: Session, tenant: str | None = None, workload: str | None = None) -> dict[str, Any]:
+    """Totals over all buckets (optionally one tenant/workload)."""
+    row = session.execute(_filters(select(*_PATH_SUMS), tenant, workload)).one()
+    return _path_row(*(int(v) for v in row))
+
+
+def overview_by_bucket(session: Session, tenant: str | None = None, workload: str | None = None) -> list[dict[str, Any]]:
+    """Per time bucket: tokens per cycle, cycles per 1000 tokens by decision path, speedup."""
+    stmt = _filters(select(StatBucket.bucket_start, *_PATH_SUMS), tenant, workload)
+    stmt = stmt.group_by(StatBucket.bucket_start).order_by(StatBucket.bucket_start)
+    out = []
+    for start, *sums in session.execute(stmt):
+        out.append({"bucket_start": start, **_path_row(*(int(v) for v in sums))})
+    return out
+
+
+def _quality(tp: int, fp: int, fn: int) -> dict[str, Any]:
+    return {"tp": tp, "fp": fp, "fn": fn, "precision": _ratio(tp, tp + fp), "recall": _ratio(tp, tp + fn)}
+
+
+_CONF_SUMS = (
+    func.coalesce(func.sum(StatBucket.tp), 0),
+    func.coalesce(func.sum(StatBucket.fp), 0),
+    func.coalesce(func.sum(StatBucket.fn), 0),
+)
+
+
+def quality_totals(session: Session, tenant: str | None = None, workload: str | None = None) -> dict[str, Any]:
+    row = session.execute(_filters(select(*_CONF_SUMS), tenant, workload)).one()
+    return _quality(*(int(v) for v in row))
+
+
+def quality_by_bucket(session: Session, tenant: str | None = None, workload: str | None = None) -> list[dict[str, Any]]:
+    """Precision/recall of "verify the cache draft" at accepted length >= LONG, per time bucket."""
+    stmt = _filters(select(StatBucket.bucket_start, *_CONF_SUMS), tenant, workload)
+    stmt = stmt.group_by(StatBucket.bucket_start).order_by(StatBucket.bucket_start)
+    return [{"bucket_start": s, **_quality(int(a), int(b), int(c))} for s, a, b, c in session.execute(stmt)]
+
+
+def quality_by_version(session: Session) -> list[dict[str, Any]]:
+    stmt = (select(StatBucket.predictor_version_id, *_CONF_SUMS)
+            .group_by(StatBucket.predictor_version_id).order_by(StatBucket.predictor_version_id))
+    return [{"version": int(v), **_quality(int(a), int(b), int(c))} for v, a, b, c in session.execute(stmt)]
+
+
+def accepted_histograms(session: Session, tenant: str | None = None, workload: str | None = None) -> list[dict[str, Any]]:
+    """Labelled cache drafts by accepted length (0..24, 24 = 24 or more) per workload (long form)."""
+    stmt = _filters(select(StatBucket.workload, StatBucket.accepted_hist), tenant, workload)
+    sums: dict[str, list[int]] = {}
+    for wl, hist in session.execute(stmt):
+        acc = sums.setdefault(wl, [0] * HIST_BINS)
+        for i, n in enumerate(hist or []):
+            acc[min(i, HIST_BINS - 1)] += int(n)
+    return [{"workload": wl, "accepted": i, "drafts": n} for wl in sorted(sums) for i, n in enumerate(sums[wl])]
+
+
+def _cache_sample(session: Session, limit: int) -> list[tuple[float, int, str]]:
+    stmt = (select(DecisionEvent.predicted, DecisionEvent.accepted, DecisionEvent.workload)
+            .where(DecisionEvent.drafter == "cache", DecisionEvent.predicted.is_not(None))
+            .order_by(DecisionEvent.id.desc()).limit(limit))
+    return [(float(p), int(a), w) for p, a, w in session.execute(stmt)]
+
+
+def calibration(session: Session, limit: int = DEFAULT_SAMPLE) -> list[dict[str, Any]]:
+    """Cache-drafter events binned by predicted accepted length (1-token bins): mean predicted vs
+    mean observed. Calibrated = points on the diagonal."""
+    bins: dict[int, list[float]] = {}
+    for p, a, _ in _cache_sample(session, limit):
+        b = min(max(int(math.floor(p)), -1), HIST_BINS - 1)
+        acc = bins.setdefault(b, [0.0, 0.0, 0])
+        acc[0] += p
+        acc[1] += a
+        acc[2] += 1
+    return [{"bin": b, "mean_predicted": s[0] / s[2], "mean_accepted": s[1] / s[2], "events": int(s[2])}
+            for b, s in sorted(bins.items())]
+
+
+def latest_tau(session: Session) -> dict[str, float]:
+    """The live automatic tau per workload (latest tau_history row of each)."""
+    newest = (select(TauHistory.workload, func.max(TauHistory.id).label("id"))
+              .group_by(TauHistory.workload).subquery())
+    stmt = select(TauHistory.workload, TauHistory.tau).join(newest, TauHistory.id == newest.c.id)
+    return {w: float(t) for w, t in session.execute(stmt)}
+
+
+def pr_curve(session: Session, grid: Sequence[float] = TAU_GRID, limit: int = DEFAULT_SAMPLE) -> list[dict[str, Any]]:
+    """For tau in the grid: precision/recall of (predicted > tau) against (accepted >= LONG)."""
+    sample = _cache_sample(session, limit)
+    out = []
+    for tau in grid:
+        tp = sum(1 for p, a, _ in sample if p > tau and a >= LONG)
+        fp = sum(1 for p, a, _ in sample if p > tau and a < LONG)
+        fn = sum(1 for p, a, _ in sample if p <= tau and a >= LONG)
+        out.append({"tau": float(tau), **_quality(tp, fp, fn)})
+    return out
+
+
+def tau_history(session: Session) -> list[dict[str, Any]]:
+    stmt = select(TauHistory).order_by(TauHistory.id)
+    return [{"at": r.at, "workload": r.workload, "tau": r.tau, "rule_tau": r.rule_tau, "correction": r.correction,
+             "model_mean_accepted": r.model_mean_accepted, "reason": r.reason, "replica": r.replica}
+            for r in session.scalars(stmt)]
+
+
+def effective_taus(session: Session, known_workloads: Sequence[str], now: datetime | None = None) -> list[dict[str, Any]]:
+    """Per tenant (seen in statistics or overrides) x workload: the tau the controller would use and
+    why, resolved exactly as the runtime does (OverrideSnapshot.resolve with the latest auto tau)."""
+    now = utcnow() if now is None else now
+    snap = snapshot(session, now=now)
+    auto = latest_tau(session)
+    names = set(tenants(session)) | {o.tenant for o in snap.overrides}
+    out = []
+    for tenant in sorted(names):
+        for wl in known_workloads:
+            eff = snap.resolve(tenant, wl, auto.get(wl), float("nan"), now)
+            tau = None if eff.tau is None or math.isnan(eff.tau) else float(eff.tau)
+            out.append({"tenant": tenant, "workload": wl, "tau": tau, "source": eff.source, "mode": eff.mode,
+                        "expires_at": eff.expires_at, "override_id": eff.override_id})
+    return out
+
+
+def overrides_audit(session: Session, now: datetime | None = None) -> list[dict[str, Any]]:
+    now = utcnow() if now is None else now
+    return [{"id": r.id, "state": override_state(r, now), "tenant": r.tenant, "workload": r.workload or "(all)",
+             "mode": r.mode, "tau": r.tau, "tau_min": r.tau_min, "tau_max": r.tau_max, "expires_at": r.expires_at,
+             "author": r.author, "reason": r.reason, "created_at": r.created_at, "cleared_at": r.cleared_at,
+             "cleared_by": r.cleared_by, "clear_reason": r.clear_reason}
+            for r in reversed(list_overrides(session, include_inactive=True, now=now))]
+
+
+def versions(session: Session) -> list[dict[str, Any]]:
+    """Lineage: every version with its parent, metrics and which aliases point at it."""
+    aliases: dict[int, list[str]] = {}
+    for name, vid in session.execute(select(Alias.name, Alias.version_id).order_by(Alias.name)):
+        aliases.setdefault(vid, []).append(name)
+    stmt = select(PredictorVersion.id, PredictorVersion.parent_id, PredictorVersion.created_at, PredictorVersion.kind,
+                  PredictorVersion.metrics, PredictorVersion.reason, PredictorVersion.created_by
+                  ).order_by(PredictorVersion.id)
+    return [{"id": i, "parent_id": p, "created_at": c, "kind": k, "aliases": ", ".join(aliases.get(i, [])),
+             "metrics": m, "reason": r, "created_by": b} for i, p, c, k, m, r, b in session.execute(stmt)]
+
+
+def alias_events(session: Session) -> list[dict[str, Any]]:
+    stmt = select(AliasEvent).order_by(AliasEvent.id.desc())
+    return [{"id": e.id, "at": e.at, "alias": e.alias_name, "from_version": e.from_version_id,
+             "to_version": e.to_version_id, "actor": e.actor, "reason": e.reason} for e in session.scalars(stmt)]
+
+
+def database_size(session: Session) -> int | None:
+    """Bytes on disk: the SQLite file (plus WAL) or pg_database_size."""
+    bind = session.get_bind()
+    if bind.dialect.name == "sqlite":
+        db = bind.url.database
+        if not db or db == ":memory:" or db.startswith("file:"):
+            return None
+        return sum(os.path.getsize(p) for p in (db, db + "-wal") if os.path.exists(p))
+    if bind.dialect.name == "postgresql":
+        return int(session.scalar(select(func.pg_database_size(func.current_database()))))
+    return None
+
+
+def health(session: Session) -> dict[str, Any]:
+    last_tau = session.scalar(select(func.max(TauHistory.at)))
+    last_alias = session.scalar(select(func.max(AliasEvent.at)))
+    updates = [t for t in (last_tau, last_alias) if t is not None]
+    return {
+        "decision_events": int(session.scalar(select(func.count()).select_from(DecisionEvent)) or 0),
+        "dropped_events": int(session.scalar(select(func.coalesce(func.sum(StatBucket.dropped_events), 0))) or 0),
+        "drift_events": int(session.scalar(select(func.count()).select_from(DriftEvent)) or 0),
+        "last_event_at": session.scalar(select(func.max(DecisionEvent.at))),
+        "last_bucket_at": session.scalar(select(func.max(StatBucket.bucket_start))),
+        "last_learner_update": max(updates) if updates else None,
+        "database_bytes": database_size(session),
+    }
+
+
+def drift_events(session: Session, limit: int = 200) -> list[dict[str, Any]]:
+    stmt = select(DriftEvent).order_by(DriftEvent.id.desc()).limit(limit)
+    return [{"at": d.at, "workload": d.workload, "detector": d.detector, "version": d.predictor_version_id,
+             "detail": d.detail} for d in session.scalars(stmt)]
