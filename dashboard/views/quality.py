@@ -23,8 +23,8 @@ with read_session(engine) as s:
     live = q.latest_tau(s)
 
 m = st.columns(3)
-m[0].metric(f"Precision at accepted >= {LONG}", fmt(totals["precision"]))
-m[1].metric(f"Recall at accepted >= {LONG}", fmt(totals["recall"]))
+m[0].metric(f"Precision at accepted ≥ {LONG}", fmt(totals["precision"]))
+m[1].metric(f"Recall at accepted ≥ {LONG}", fmt(totals["recall"]))
 m[2].metric("Long cache drafts (TP + FN)", fmt(totals["tp"] + totals["fn"]))
 
 if by_bucket:
@@ -36,11 +36,11 @@ if by_bucket:
         x=alt.X("bucket_start:T", title="Time bucket start (UTC)"),
         y=alt.Y("value:Q", title=f"Fraction of cache drafts (0-1, long = accepted >= {LONG})",
                 scale=alt.Scale(domain=[0, 1])),
-        color=alt.Color("metric:N", title="Metric")), use_container_width=True)
+        color=alt.Color("metric:N", title="Metric")), width="stretch")
     st.caption("Good: both high and flat; a drop in either after a promotion or a traffic change means drift.")
 
 st.subheader("Per predictor version")
-st.dataframe(pd.DataFrame(by_version), hide_index=True, use_container_width=True)
+st.dataframe(pd.DataFrame(by_version), hide_index=True, width="stretch")
 
 if curve:
     cdf = pd.DataFrame(curve).dropna(subset=["precision"])
@@ -59,7 +59,7 @@ if curve:
         layers.append(alt.Chart(pd.DataFrame(marks)).mark_point(size=120, shape="diamond", filled=True).encode(
             x="recall:Q", y="precision:Q", color=alt.Color("workload:N", title="Live tau of workload"),
             tooltip=["workload:N", "live_tau:Q", "precision:Q", "recall:Q"]))
-    st.altair_chart(alt.layer(*layers), use_container_width=True)
+    st.altair_chart(alt.layer(*layers), width="stretch")
     st.caption("Good: the curve hugs the top right, and each workload's live tau (diamonds) sits at the knee; "
                "computed from the newest cache-drafter decision events.")
     if live:
@@ -75,7 +75,7 @@ if calib:
         x=alt.X("mean_predicted:Q", title="Mean predicted accepted length (tokens)"),
         y=alt.Y("mean_accepted:Q", title="Mean observed accepted length (tokens)"),
         size=alt.Size("events:Q", title="Events"), tooltip=["bin:Q", "mean_predicted:Q", "mean_accepted:Q", "events:Q"])
-    st.altair_chart(diag + pts, use_container_width=True)
+    st.altair_chart(diag + pts, width="stretch")
     st.caption("Good: points on the dashed diagonal (predicted = observed) in every 1-token bin of the prediction.")
 
 if hist:
@@ -85,5 +85,5 @@ if hist:
         x=alt.X("accepted:O", title="Accepted length (tokens; 24 = 24 or more)"),
         y=alt.Y("drafts:Q", title="Labelled cache drafts (count)"),
         color=alt.Color("workload:N", title="Workload"),
-        row=alt.Row("workload:N", title=None)).properties(height=120), use_container_width=True)
+        row=alt.Row("workload:N", title=None)).properties(height=120), width="stretch")
     st.caption("Good: mass at long lengths for repetitive workloads (code edits, agents); chat is mostly 0-2.")

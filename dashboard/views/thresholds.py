@@ -33,16 +33,16 @@ if history:
     st.subheader("Automatic tau per workload")
     st.altair_chart(alt.Chart(hdf).mark_line(point=True, interpolate="step-after").encode(
         x=alt.X("at:T", title="Time (UTC)"),
-        y=alt.Y("tau:Q", title="tau (predicted accepted tokens needed to verify the cache draft)"),
+        y=alt.Y("tau:Q", title="tau (predicted accepted tokens)"),
         color=alt.Color("workload:N", title="Workload"),
-        tooltip=["at:T", "workload:N", "tau:Q", "rule_tau:Q", "correction:Q", "reason:N"]), use_container_width=True)
+        tooltip=["at:T", "workload:N", "tau:Q", "rule_tau:Q", "correction:Q", "reason:N"]), width="stretch")
     st.caption("Good: tau moves smoothly with load and acceptance; oscillation or a pinned extreme needs a look.")
 else:
     st.info("No automatic tau recorded yet: the learner writes tau_history while `hvd serve` runs.")
 
 st.subheader("Effective tau per tenant and workload")
 if effective:
-    st.dataframe(pd.DataFrame(effective), hide_index=True, use_container_width=True)
+    st.dataframe(pd.DataFrame(effective), hide_index=True, width="stretch")
     st.caption("source: override:tenant+workload > override:tenant > auto (latest tau_history) > default "
                "(the goodput rule per step); the same resolution the controller runs.")
 else:
@@ -54,15 +54,15 @@ if not admin.can_edit:
 disabled = not admin.can_edit
 with st.form("set_override"):
     c = st.columns(3)
-    tenant = c[0].text_input("Tenant", disabled=disabled)
-    workload = c[1].selectbox("Workload", [ALL, *WORKLOADS], disabled=disabled)
-    mode = c[2].selectbox("Mode", MODES, disabled=disabled)
+    tenant = c[0].text_input("Tenant", key="set_tenant", disabled=disabled)
+    workload = c[1].selectbox("Workload", [ALL, *WORKLOADS], key="set_workload", disabled=disabled)
+    mode = c[2].selectbox("Mode", MODES, key="set_mode", disabled=disabled)
     c = st.columns(4)
-    tau = c[0].number_input("tau (fixed)", value=2.0, step=0.5, disabled=disabled)
-    tau_min = c[1].number_input("tau min (bounds)", value=0.0, step=0.5, disabled=disabled)
-    tau_max = c[2].number_input("tau max (bounds)", value=6.0, step=0.5, disabled=disabled)
-    hours = c[3].number_input("Expires in (hours, 0 = never)", value=0.0, min_value=0.0, step=1.0, disabled=disabled)
-    reason = st.text_input("Reason", disabled=disabled)
+    tau = c[0].number_input("tau (fixed)", key="set_tau", value=2.0, step=0.5, disabled=disabled)
+    tau_min = c[1].number_input("tau min (bounds)", key="set_tau_min", value=0.0, step=0.5, disabled=disabled)
+    tau_max = c[2].number_input("tau max (bounds)", key="set_tau_max", value=6.0, step=0.5, disabled=disabled)
+    hours = c[3].number_input("Expires in (hours, 0 = never)", key="set_hours", value=0.0, min_value=0.0, step=1.0, disabled=disabled)
+    reason = st.text_input("Reason", key="set_reason", disabled=disabled)
     submitted = st.form_submit_button("Set override", disabled=disabled)
 if submitted:
     if not admin.can_edit:
@@ -112,6 +112,6 @@ st.subheader("Override audit (newest first)")
 with read_session(engine) as s:
     audit = q.overrides_audit(s)
 if audit:
-    st.dataframe(pd.DataFrame(audit), hide_index=True, use_container_width=True)
+    st.dataframe(pd.DataFrame(audit), hide_index=True, width="stretch")
 else:
     st.info("No overrides yet.")

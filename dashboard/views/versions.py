@@ -29,7 +29,7 @@ st.subheader("Lineage")
 if rows:
     df = pd.DataFrame(rows)
     df["metrics"] = df["metrics"].map(lambda m: str(m)[:200])
-    st.dataframe(df, hide_index=True, use_container_width=True)
+    st.dataframe(df, hide_index=True, width="stretch")
     st.caption("parent_id links each version to the one it was trained from; aliases shows what is live.")
 else:
     st.info("No predictor versions: run `make warmstart`.")
@@ -69,4 +69,4 @@ if rollback and champ_parent is not None:
 st.subheader("Promotion log (newest first)")
 with read_session(engine) as s:
     events = q.alias_events(s)
-st.dataframe(pd.DataFrame(events), hide_index=True, use_container_width=True)
+st.dataframe(pd.DataFrame(events), hide_index=True, width="stretch")

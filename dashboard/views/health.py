@@ -29,6 +29,6 @@ st.info("Event queue depth and writer flush latency live in the serving process 
         "they are not stored in SQL, so this page cannot show them.")
 st.subheader("Drift events (newest first)")
 if drifts:
-    st.dataframe(pd.DataFrame(drifts), hide_index=True, use_container_width=True)
+    st.dataframe(pd.DataFrame(drifts), hide_index=True, width="stretch")
 else:
     st.info("No drift detected.")
