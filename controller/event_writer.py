@@ -22,7 +22,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from controller.events import EventQueue, LabelledEvent
 from storage.engine import session_scope
-from storage.events import insert_events
+from storage.events import insert_events, record_health
 from storage.stats import prune_events
 
 if TYPE_CHECKING:
@@ -32,8 +32,9 @@ if TYPE_CHECKING:
 class EventWriter:
     def __init__(self, engine: Engine, events: EventQueue, batch_size: int = 2000, flush_interval: float = 0.5,
                  max_buffered: int = 200_000, stats: "StatsWriter | None" = None, keep_events: int | None = None,
-                 prune_every: int = 20) -> None:
+                 prune_every: int = 20, replica: str | None = None) -> None:
         self.engine = engine
+        self.replica = replica  # when set, a heartbeat row (queue depth, flush latency) goes with each batch
         self.events = events
         self.batch_size = batch_size
         self.flush_interval = flush_interval
@@ -148,6 +149,11 @@ class EventWriter:
             try:
                 with session_scope(self.engine) as session:
                     insert_events(session, batch)
+                    if self.replica is not None:
+                        record_health(session, replica=self.replica, queue_depth=self.events.depth(),
+                                      events_written=self.written + len(batch),
+                                      events_dropped=self.events.dropped + self.dropped,
+                                      flush_ms=1000.0 * self.last_flush_seconds)
             except SQLAlchemyError as exc:
                 self.failures += 1
                 self.last_error = str(exc).splitlines()[0]

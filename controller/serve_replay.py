@@ -103,7 +103,7 @@ def serve_replay(engine: Engine, records: Sequence[TraceRecord], opts: ReplaySer
     tokenizer = TraceTokenizer()
     stats = StatsWriter(engine, flush_interval=2.0)
     runtime = Runtime(gate, tokenizer.classes, decision, version_id=version_id, stats_sink=stats)
-    writer = EventWriter(engine, runtime.events, stats=stats, keep_events=2_000_000)
+    writer = EventWriter(engine, runtime.events, stats=stats, keep_events=2_000_000, replica=opts.replica)
     poller = ControlPoller(engine, runtime, interval=1.0)
     learner = None
     if opts.learn:

@@ -107,7 +107,8 @@ def flush(timeout: float = 30.0) -> None:
     for s in _STATES:
         old = s.writer
         old.stop(timeout)
-        s.writer = EventWriter(old.engine, s.runtime.events, stats=old.stats, keep_events=old.keep_events).start()
+        s.writer = EventWriter(old.engine, s.runtime.events, stats=old.stats, keep_events=old.keep_events,
+                               replica=old.replica).start()
 
 
 @dataclass
@@ -191,12 +192,13 @@ class HybridState:
         stats = StatsWriter(engine)
         self.runtime = Runtime(gate, tokenizer.classes, decision, version_id=version_id, suffix=suffix,
                                stats_sink=stats)
-        self.writer = EventWriter(engine, self.runtime.events, stats=stats, keep_events=2_000_000).start()
+        replica = f"{socket.gethostname()}-{os.getpid()}"
+        self.writer = EventWriter(engine, self.runtime.events, stats=stats, keep_events=2_000_000,
+                                  replica=replica).start()
         # Every replica follows the control plane; the one holding the lock also learns.
         self.poller = ControlPoller(engine, self.runtime).start()
         self.learner = None
         if settings.learn:
-            replica = f"{socket.gethostname()}-{os.getpid()}"
             self.learner = LearnerService(engine, decision, replica=replica,
                                           lock=make_leader_lock(engine, "learner", replica)).start()
         log.info("HVD hybrid drafter on: predictor v%s, fallback %s, K_MAX %d", version_id, fallback, self.k_max)

@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import Engine, func, inspect, select
 from sqlalchemy.orm import Session
 
+from storage.events import replica_health
 from storage.models import (
     Alias,
     AliasEvent,
@@ -267,6 +268,9 @@ def health(session: Session) -> dict[str, Any]:
         "last_bucket_at": session.scalar(select(func.max(StatBucket.bucket_start))),
         "last_learner_update": max(updates) if updates else None,
         "database_bytes": database_size(session),
+        "replicas": [{"replica": r.replica, "updated_at": r.updated_at, "queue_depth": r.queue_depth,
+                      "events_written": r.events_written, "events_dropped": r.events_dropped,
+                      "flush_ms": round(r.flush_ms, 2)} for r in replica_health(session)],
     }
 
 

@@ -45,3 +45,18 @@ def events_after(session: Session, after_id: int, limit: int) -> list[DecisionEv
 
 def last_event_id(session: Session) -> int:
     return int(session.scalar(select(func.max(DecisionEvent.id))) or 0)
+
+
+def record_health(session: Session, *, replica: str, queue_depth: int, events_written: int, events_dropped: int,
+                  flush_ms: float) -> None:
+    """Upsert this replica's heartbeat row (one row per replica, overwritten)."""
+    from storage.models import ReplicaHealth, utcnow
+
+    session.merge(ReplicaHealth(replica=replica[:128], updated_at=utcnow(), queue_depth=queue_depth,
+                                events_written=events_written, events_dropped=events_dropped, flush_ms=flush_ms))
+
+
+def replica_health(session: Session) -> list:
+    from storage.models import ReplicaHealth
+
+    return list(session.scalars(select(ReplicaHealth).order_by(ReplicaHealth.replica)))

@@ -227,3 +227,16 @@ class Lease(Base):
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     holder: Mapped[str] = mapped_column(String(128), nullable=False)
     expires_at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False)
+
+
+class ReplicaHealth(Base):
+    """Each serving replica's latest pipeline health, written by its event writer after a flush."""
+
+    __tablename__ = "replica_health"
+
+    replica: Mapped[str] = mapped_column(String(128), primary_key=True)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False)
+    queue_depth: Mapped[int] = mapped_column(Integer, nullable=False)
+    events_written: Mapped[int] = mapped_column(Integer, nullable=False)
+    events_dropped: Mapped[int] = mapped_column(Integer, nullable=False)
+    flush_ms: Mapped[float] = mapped_column(Float, nullable=False)

@@ -111,6 +111,8 @@ def test_quality_and_health_numbers_equal_sql(db):
     assert shown["Decision events stored"] == str(h["decision_events"])
     assert shown["Dropped events"] == str(h["dropped_events"])
     assert shown["Drift events"] == str(h["drift_events"])
+    assert h["replicas"] and h["replicas"][0]["replica"] == "replica-0"  # the serve run's heartbeat
+    assert shown["Event queue depth (deepest replica)"] == str(max(r["queue_depth"] for r in h["replicas"]))
 
 
 def test_thresholds_shows_live_tau(db):

@@ -25,8 +25,17 @@ m[4].metric("Last learner update", h["last_learner_update"].strftime("%Y-%m-%d %
 st.caption("Good: dropped events stays 0 (the event queue never filled), the last learner update is recent "
            "while serving, and drift events are rare.")
 st.write(f"Last decision event: {h['last_event_at'] or 'none'}; last statistics bucket: {h['last_bucket_at'] or 'none'}.")
-st.info("Event queue depth and writer flush latency live in the serving process (its progress lines and logs); "
-        "they are not stored in SQL, so this page cannot show them.")
+st.subheader("Serving replicas")
+if h["replicas"]:
+    worst = max(h["replicas"], key=lambda r: r["queue_depth"])
+    r = st.columns(2)
+    r[0].metric("Event queue depth (deepest replica)", fmt(worst["queue_depth"]))
+    r[1].metric("Writer flush latency (ms, slowest replica)", f"{max(x['flush_ms'] for x in h['replicas']):.1f}")
+    st.dataframe(pd.DataFrame(h["replicas"]), hide_index=True, width="stretch")
+    st.caption("Good: queue depth near 0 and flush latency in milliseconds; a growing queue means the writer "
+               "cannot keep up and events will be dropped (counted above).")
+else:
+    st.info("No replica has reported yet: heartbeats arrive with the first written events.")
 st.subheader("Drift events (newest first)")
 if drifts:
     st.dataframe(pd.DataFrame(drifts), hide_index=True, width="stretch")
