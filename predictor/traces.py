@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-WORKLOADS: tuple[str, ...] = ("agentic", "code_edit", "coding", "sql", "chat")
+from storage.workloads import WORKLOADS  # re-exported: one list for every layer
+
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 SUFFIXES: tuple[str, ...] = (".jsonl", ".jsonl.gz", ".jsonl.xz")
 FIELDS: tuple[str, ...] = ("trace_id", "session_id", "turn", "source", "workload", "model", "run", "context", "output")

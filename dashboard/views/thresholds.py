@@ -8,7 +8,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard.common import admin_sidebar, engine_or_stop, read_session
-from predictor.traces import WORKLOADS
+from storage.workloads import WORKLOADS
 from storage import dashboard_queries as q
 from storage.engine import session_scope
 from storage.models import utcnow
