@@ -82,9 +82,11 @@ bench: setup
 	$(HVD) --db $(DB) versions | grep -q '^\*' || $(HVD) --db $(DB) warmstart
 	HVD_DATABASE_URL=$(DB) $(PY) bench/vllm_methods.py
 
-# Re-normalise the bundled traces from the read-only sources (only needed when they change).
+# Re-normalise the bundled traces from the read-only sources beside the checkout (only needed when
+# they change; nothing else reads them).
+TRACE_SOURCES ?= $(dir $(CURDIR))shared/data/traces
 traces: setup
-	$(PY) tools/convert_traces.py --src ../shared/data/traces --out data/traces.jsonl.xz
+	$(PY) tools/convert_traces.py --src $(TRACE_SOURCES) --out data/traces.jsonl.xz
 
 clean-venv:
 	rm -rf $(VENV)
