@@ -20,36 +20,20 @@ from controller.runtime import RequestInput, Runtime
 from predictor.labels import lcp
 from predictor.profiles import DrafterProfile
 from predictor.replay import deployments
+from predictor.simulator import Tally
 from predictor.tokens import TraceTokenizer
 from predictor.traces import TraceRecord
 
 
 @dataclass
-class WorkloadTally:
-    tokens: int = 0
-    cycles: int = 0
-    cache_cycles: int = 0
-    model_cycles: int = 0
-    wasted: int = 0
-
-    @property
-    def cycles_per_1k(self) -> float:
-        return 1000.0 * self.cycles / max(self.tokens, 1)
-
-
-@dataclass
 class ReplayRun:
-    by_workload: dict[str, WorkloadTally] = field(default_factory=dict)
+    by_workload: dict[str, Tally] = field(default_factory=dict)
     steps: int = 0
 
-    def total(self) -> WorkloadTally:
-        out = WorkloadTally()
+    def total(self) -> Tally:
+        out = Tally()
         for t in self.by_workload.values():
-            out.tokens += t.tokens
-            out.cycles += t.cycles
-            out.cache_cycles += t.cache_cycles
-            out.model_cycles += t.model_cycles
-            out.wasted += t.wasted
+            out.add(t)
         return out
 
 
@@ -96,7 +80,7 @@ def run_replay(runtime: Runtime, records: Sequence[TraceRecord], tokenizer: Trac
                 if len(out) == 0:
                     continue
                 item = _Live(rec, tokenizer.encode_context(rec), out, emitted=1, pending_new=out[:1])
-                tally = run.by_workload.setdefault(rec.workload, WorkloadTally())
+                tally = run.by_workload.setdefault(rec.workload, Tally())
                 tally.tokens += 1  # prefill emits the first token
                 tally.cycles += 1
                 live.append(item)

@@ -35,10 +35,13 @@ class Figures:
 
 @dataclass
 class Tally:
+    """Tokens and decode cycles of some traces (the simulator's, and the replay engine's live ones)."""
+
     tokens: int = 0
     cycles: int = 0
     wasted: int = 0
     cache_cycles: int = 0
+    model_cycles: int = 0
     time_ms: float = 0.0
 
     def add(self, other: "Tally") -> None:
@@ -46,7 +49,12 @@ class Tally:
         self.cycles += other.cycles
         self.wasted += other.wasted
         self.cache_cycles += other.cache_cycles
+        self.model_cycles += other.model_cycles
         self.time_ms += other.time_ms
+
+    @property
+    def cycles_per_1k(self) -> float:
+        return 1000.0 * self.cycles / max(self.tokens, 1)
 
 
 @dataclass
