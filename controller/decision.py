@@ -59,11 +59,6 @@ class DecisionConfig:
         return (1.0 - self.model_mean_decay) * mean + self.model_mean_decay * accepted
 
 
-def effective_cost(config: DecisionConfig, batch: int) -> CostProfile:
-    """The cost profile for one request's share of a step with `batch` requests."""
-    return config.cost.per_request(batch)
-
-
 def fallback_sources(mu_e: np.ndarray, config: DecisionConfig, batch: int) -> np.ndarray:
     """Per request, what a step does without the cache draft: the model drafter, unless the goodput
     rule says plain decoding beats it (a random head, a workload it was not trained on), or the
@@ -73,7 +68,7 @@ def fallback_sources(mu_e: np.ndarray, config: DecisionConfig, batch: int) -> np
         return np.full(n, NONE, dtype=np.int8)
     if config.fixed_tau is not None:
         return np.full(n, MODEL, dtype=np.int8)
-    cost = effective_cost(config, batch)
+    cost = config.cost.per_request(batch)
     beats = (np.asarray(mu_e) + 1.0) / model_step_ms(cost, config.model_draft_len) > 1.0 / cost.target_ms(1)
     return np.where(beats, MODEL, NONE).astype(np.int8)
 
@@ -84,7 +79,7 @@ def rule_thresholds(cache_len: np.ndarray, mu_e: np.ndarray, fallback: np.ndarra
     n = len(cache_len)
     if config.fixed_tau is not None:
         return np.full(n, config.fixed_tau, dtype=np.float64)
-    cost = effective_cost(config, max(n, 1))
+    cost = config.cost.per_request(max(n, 1))
     k = np.asarray(cache_len, dtype=np.float64)
     against_plain = cost.target_ms(1 + k) / cost.target_ms(1) - 1.0
     against_model = tau_star(k, np.asarray(mu_e, dtype=np.float64), config.model_draft_len, cost)

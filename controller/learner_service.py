@@ -34,8 +34,6 @@ class LearnerStats:
     promotions: list[int] = field(default_factory=list)
     drifts: list[tuple[str, int]] = field(default_factory=list)
     cursor: int = 0
-    first_cursor: int = 0  # where this learner started reading as leader
-    leader_since: datetime | None = None
     last_update: datetime | None = None
 
 
@@ -96,8 +94,6 @@ class LearnerService:
         """Just became leader: what earlier leaders learned is in the champion; start at the end."""
         with session_scope(self.engine) as s:
             self.stats.cursor = last_event_id(s)
-        self.stats.leader_since = datetime.now(timezone.utc)
-        self.stats.first_cursor = self.stats.cursor
 
     def _promote(self, score) -> None:
         challenger = self.learner.challenger()
