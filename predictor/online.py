@@ -95,7 +95,9 @@ class OnlineLearner:
         torch.manual_seed(self.config.seed)
         self._rng = np.random.default_rng(self.config.seed)
         self.champion = champion
-        self.model = _to_torch(champion)
+        # vLLM builds its plugins under torch.inference_mode(); tensors made there can never train.
+        with torch.inference_mode(False):
+            self.model = _to_torch(champion)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.config.learning_rate)
         self._buffers = {w: _Reservoir(self.config.buffer_per_workload, NUM_FEATURES, self._rng) for w in range(len(WORKLOADS))}
         self._adwin = {w: drift.ADWIN(delta=self.config.adwin_delta, clock=1) for w in range(len(WORKLOADS))}
@@ -189,12 +191,13 @@ class OnlineLearner:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self._boost = max(0, self._boost - 1)
-        self.model.train()
-        loss = ((self.model(x) - y) ** 2).mean()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
-        self.model.eval()
+        with torch.inference_mode(False), torch.enable_grad():
+            self.model.train()
+            loss = ((self.model(x) - y) ** 2).mean()
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            self.model.eval()
         self.updates += 1
 
 

@@ -81,6 +81,18 @@ def test_same_events_same_models(dense):
         assert np.array_equal(wa, wb)
 
 
+def test_learner_built_under_inference_mode_still_trains(dense):
+    """vLLM constructs its plugins inside torch.inference_mode(); the learner thread must still train."""
+    import torch
+
+    with torch.inference_mode():
+        learner = OnlineLearner(constant_gate(0.0), goodput, SMALL)
+    before = learner.challenger().weights[0].copy()
+    with torch.inference_mode():
+        learner.learn(next(chunks(dense, 256)))
+    assert learner.updates > 0 and not np.array_equal(learner.challenger().weights[0], before)
+
+
 def test_challenger_beats_a_poor_champion_and_is_promoted(dense):
     learner, promotions = run_learner(dense)
     first = promotions[0][1]
