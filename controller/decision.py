@@ -19,6 +19,9 @@ NONE, CACHE, MODEL = 0, 1, 2
 SOURCE_NAMES = {NONE: "none", CACHE: "cache", MODEL: "model"}
 FALLBACKS = ("model", "none")
 BACKOFFS = ("none", "cache_only")
+# gate: HVD (the predictor against tau). arctic: ArcticInference's rule, the baseline HVD must beat:
+# verify the cache draft iff its suffix-tree score reaches the model drafter's draft length.
+RULES = ("gate", "arctic")
 
 
 def _default_cost() -> CostProfile:
@@ -30,13 +33,17 @@ class DecisionConfig:
     fallback: str = "model"  # what a step does when the cache draft is not verified
     model_draft_len: int = 3
     initial_model_accepted: float = 0.75  # prior for the model drafter's mean accepted length
+    initial_model_accepted_by_workload: dict[str, float] = field(default_factory=dict)  # measured priors
     model_mean_decay: float = 0.01  # weight of each new observation in the running mean
     cost: CostProfile = field(default_factory=_default_cost)
     max_running_for_speculation: int | None = None  # back off above this many running requests
     backoff: str = "none"
     fixed_tau: float | None = None  # overrides the goodput rule (tests, operators)
+    rule: str = "gate"
 
     def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise ValueError(f"rule must be one of {RULES}, got {self.rule!r}")
         if self.fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")
         if self.backoff not in BACKOFFS:
@@ -54,6 +61,9 @@ class DecisionConfig:
 
     def over_limit(self, running: int) -> bool:
         return self.max_running_for_speculation is not None and running > self.max_running_for_speculation
+
+    def prior_model_mean(self, workload: str) -> float:
+        return self.initial_model_accepted_by_workload.get(workload, self.initial_model_accepted)
 
     def update_model_mean(self, mean: float, accepted: int) -> float:
         return (1.0 - self.model_mean_decay) * mean + self.model_mean_decay * accepted

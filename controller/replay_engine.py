@@ -47,14 +47,16 @@ class _Live:
     started: bool = False
 
 
-def model_draft_accepted(drafter: DrafterProfile, seed: int, trace_id: str, position: int) -> int:
+def model_draft_accepted(drafter: DrafterProfile, seed: int, trace_id: str, position: int, workload: str) -> int:
     """The simulated model drafter's accepted length at one position: deterministic per (seed, trace,
-    position), P(a >= i) = acceptance ** i, capped at the draft length."""
+    position), P(a >= i) = acceptance ** i (the workload's, where the profile has one), capped at the
+    draft length."""
     digest = hashlib.blake2b(f"{seed}:{trace_id}:{position}".encode(), digest_size=8).digest()
     u = (int.from_bytes(digest, "little") + 0.5) / 2.0**64
-    if drafter.acceptance <= 0.0:
+    p = drafter.acceptance_for(workload)
+    if p <= 0.0:
         return 0
-    return int(min(drafter.draft_len, math.floor(math.log(u) / math.log(drafter.acceptance))))
+    return int(min(drafter.draft_len, math.floor(math.log(u) / math.log(p))))
 
 
 def run_replay(runtime: Runtime, records: Sequence[TraceRecord], tokenizer: TraceTokenizer,
@@ -107,7 +109,7 @@ def run_replay(runtime: Runtime, records: Sequence[TraceRecord], tokenizer: Trac
                     tally.cache_cycles += 1
                     tally.wasted += len(draft) - accepted
                 elif plan.source[i] == MODEL:
-                    accepted = min(model_draft_accepted(drafter, seed, x.record.trace_id, t), runtime.decision.model_draft_len)
+                    accepted = min(model_draft_accepted(drafter, seed, x.record.trace_id, t, x.record.workload), runtime.decision.model_draft_len)
                     tally.model_cycles += 1
                     tally.wasted += runtime.decision.model_draft_len - accepted
                 else:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from controller.decision import (CACHE, MODEL, OFF_CACHE, OFF_MODEL, SOURCE_NAMES, DecisionConfig, decide,
+from controller.decision import (CACHE, MODEL, NONE, OFF_CACHE, OFF_MODEL, SOURCE_NAMES, DecisionConfig, decide,
                                  fallback_sources, rule_thresholds)
 from controller.events import DRAFTER_CACHE, DRAFTER_MODEL, EventQueue, LabelledEvent
 from controller.request_state import CacheDraftRecord, ModelDraftRecord, RequestState
@@ -92,7 +92,7 @@ class Runtime:
         self.requests: dict[str, RequestState] = {}
         self.stats = RuntimeStats()
         # Live mean accepted length of the model drafter, per workload.
-        self.mu_e = {w: self.decision.initial_model_accepted for w in WORKLOADS}
+        self.mu_e = {w: self.decision.prior_model_mean(w) for w in WORKLOADS}
         self.controls = Controls()
         self._clock = clock
 
@@ -128,7 +128,10 @@ class Runtime:
             lengths[has_row] = rows.lengths[main_row[has_row]]
             predicted[has_row] = row_pred[main_row[has_row]]
         allowed = np.array([st.speculate for st in states], dtype=bool) & speculating
-        plan_source, tau = self._decide(states, predicted, lengths, allowed)
+        if self.decision.rule == "arctic":
+            plan_source, tau = self._decide_arctic(rows, main_row, lengths, allowed)
+        else:
+            plan_source, tau = self._decide(states, predicted, lengths, allowed)
         if rows.count:
             self._record(rows, x, row_pred, main_row, plan_source, tau)
         self._emit_deferred()
@@ -234,6 +237,20 @@ class Runtime:
         source = decide(predicted, lengths, tau, fallback, allowed, off)
         return source, np.where(lengths > 0, tau, np.nan).astype(np.float32)
 
+    def _decide_arctic(self, rows: "_DraftRows", main_row: np.ndarray, lengths: np.ndarray,
+                       allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The ArcticInference baseline: the cache draft iff its score reaches the model drafter's
+        draft length, else the fallback; the gate's prediction is still logged, never used."""
+        n = len(main_row)
+        score = np.zeros(n, dtype=np.float64)
+        has_row = main_row >= 0
+        if rows.count:
+            score[has_row] = rows.scores[main_row[has_row]]
+        threshold = float(self.decision.model_draft_len)
+        fallback = np.full(n, NONE if self.decision.fallback == "none" else MODEL, dtype=np.int8)
+        source = decide(score, lengths, np.full(n, threshold - 1e-9), fallback, allowed)
+        return source, np.where(lengths > 0, threshold, np.nan).astype(np.float32)
+
     def _draft_row(self, st: RequestState, rows: "_DraftRows", shadow: bool) -> int:
         """Draft at the request's current position; the draft joins its history at once (later
         positions of this step see it), its features and prediction are filled in per batch."""
@@ -324,6 +341,10 @@ class _DraftRows:
     @property
     def lengths(self) -> np.ndarray:
         return np.fromiter((len(d) for d in self.drafts), dtype=np.int64, count=self.count)
+
+    @property
+    def scores(self) -> np.ndarray:
+        return np.fromiter((t[0] for t in self._scalar), dtype=np.float64, count=self.count)
 
     def features(self, classes: TokenClasses) -> np.ndarray:
         sc = np.array(self._scalar, dtype=np.float64)

@@ -29,7 +29,7 @@ def command(opts: ServeOptions) -> tuple[list[str], dict[str, str]]:
     """The argv and environment that start the server."""
     model = ve.MODEL_BF16 if opts.dtype == "bfloat16" else ve.MODEL_FP32
     kwargs = ve.engine_kwargs(model, opts.dtype)
-    spec = ve.speculative_config("hybrid-model" if opts.fallback == "model" else "hybrid-none")
+    spec = ve.speculative_config("hvd" if opts.fallback == "model" else "hvd-none")
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--host", opts.host, "--port", str(opts.port), "--served-model-name", opts.served_model_name,
             "--model", kwargs["model"], "--dtype", opts.dtype, "--max-model-len", str(kwargs["max_model_len"]),

@@ -50,7 +50,7 @@ class TauTuner:
 
     def __post_init__(self) -> None:
         for w in WORKLOADS:
-            self.state.setdefault(w, WorkloadTau(self.decision.initial_model_accepted))
+            self.state.setdefault(w, WorkloadTau(self.decision.prior_model_mean(w)))
 
     def observe_model(self, workload: str, accepted: int) -> None:
         s = self.state[workload]

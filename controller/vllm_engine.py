@@ -9,11 +9,16 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 MODELS = REPO_ROOT / "var" / "models"
 MODEL_BF16 = MODELS / "smollm2-135m-bf16"
 MODEL_FP32 = MODELS / "smollm2-135m-fp32"
-EAGLE_HEAD = MODELS / "smollm2-eagle3-random"  # RANDOM weights: plumbing only, accepts ~nothing
+# The trained head (`make eagle3`, committed with its PROVENANCE.json) and, for comparison and for
+# plumbing tests, a head with RANDOM weights built by `make setup` (it accepts ~nothing).
+EAGLE_HEAD = REPO_ROOT / "models" / "eagle3-smollm2-135m"
+EAGLE_HEAD_RANDOM = MODELS / "smollm2-eagle3-random"
 
 K_MAX = 16  # longest cache draft verified (vLLM's suffix defaults rarely exceed ~12)
 MODEL_DRAFT_LEN = 3
-METHODS = ("none", "ngram", "suffix", "hybrid-model", "hybrid-none")
+# hvd: the hybrid (gate, EAGLE3 fallback); arctic: ArcticInference's score rule on the same plugin;
+# hvd-none: the hybrid with plain decoding as the fallback.
+METHODS = ("none", "ngram", "suffix", "eagle3", "arctic", "hvd", "hvd-none")
 
 
 def cpu_environment() -> None:
@@ -48,18 +53,49 @@ def engine_kwargs(model: Path, dtype: str, max_num_seqs: int = 8) -> dict:
 
 
 def speculative_config(method: str, head: Path = EAGLE_HEAD) -> dict | None:
-    """The speculative_config of each compared method; the hybrids also need HVD_HYBRID=1."""
+    """The speculative_config of each compared method; the hybrids also need `method_env`."""
     if method == "none":
         return None
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    if method in ("suffix", "hybrid-none"):
+    if method in ("suffix", "hvd-none"):
         return {"method": "suffix", "num_speculative_tokens": K_MAX}
-    if method == "hybrid-model":
+    if method in ("eagle3", "arctic", "hvd"):
         if not (head / "config.json").is_file():
-            raise FileNotFoundError(f"{head}/config.json is missing: run `make setup`")
-        return {"method": "eagle3", "model": str(head), "num_speculative_tokens": K_MAX}
+            raise FileNotFoundError(f"{head}/config.json is missing: run `make setup` (random head) or "
+                                    "`make eagle3` (trained head)")
+        k = MODEL_DRAFT_LEN if method == "eagle3" else K_MAX
+        return {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
     raise ValueError(f"unknown method {method!r}; known: {METHODS}")
+
+
+def method_env(method: str) -> dict[str, str | None]:
+    """Environment each method needs (None: unset): the plugin is on for the hybrids only."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; known: {METHODS}")
+    hybrid = method in ("arctic", "hvd", "hvd-none")
+    return {"HVD_HYBRID": "1" if hybrid else None, "HVD_RULE": "arctic" if method == "arctic" else None,
+            "HVD_MODEL_DRAFT_LEN": str(MODEL_DRAFT_LEN) if hybrid else None}
+
+
+def apply_method_env(method: str) -> None:
+    for name, value in method_env(method).items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def held_out_prompts(workloads: tuple[str, ...], per_workload: int, max_tokens: int = 1000) -> list[tuple[str, list[int]]]:
+    """Prompts of the sessions the evaluation holds out (the gate and the EAGLE3 head never saw
+    them), interleaved across `workloads` in the split's seeded order: (workload, token ids)."""
+    from drafter.corpus import prompts
+    from predictor.traces import bundled_traces_path, load_traces
+
+    records, _ = load_traces([bundled_traces_path()])
+    chosen = prompts(records, held_out=True, max_prompt_tokens=max_tokens, workloads=workloads,
+                     limit=per_workload * len(workloads))
+    return [(p.workload, list(p.token_ids)) for p in chosen]
 
 
 def trace_prompts(workloads: tuple[str, ...], per_workload: int, max_tokens: int = 1000,

@@ -10,9 +10,9 @@ proposer is then never called: the runtime's cache replaces it).
 The patch wraps `GPUModelRunner.propose_draft_token_ids`, which vLLM's CPU runner inherits. Per
 step the runner hands over the batch; the runtime labels last step's drafts from the sampled tokens,
 drafts from the suffix cache, runs the gate once, and decides; EAGLE runs (for the whole batch)
-only in steps where some request chose it, and each request gets its cache draft, its EAGLE row,
-or nothing, as vLLM's variable-length draft lists. Skipping EAGLE leaves its own KV cache without
-the positions of those steps: later EAGLE drafts may be worse, never wrong (verification is exact).
+with its full draft length only in steps where some request chose it (one position otherwise, so
+its own KV cache covers every verified token), and each request gets its cache draft, its EAGLE row,
+or nothing, as vLLM's variable-length draft lists.
 
 Per-request metadata (`SamplingParams.extra_args`, `vllm_xargs` in the OpenAI API):
 `hvd_tenant`, `hvd_workload` (agentic, code_edit, coding, sql, chat), `hvd_speculate` (false = opt out).
@@ -20,7 +20,11 @@ Per-request metadata (`SamplingParams.extra_args`, `vllm_xargs` in the OpenAI AP
 Environment: HVD_DATABASE_URL (where the champion is read and events written), HVD_FALLBACK
 (model | none; default from the method), HVD_MODEL_DRAFT_LEN (3), HVD_COST_PROFILE (cpu-smollm2),
 HVD_MAX_RUNNING / HVD_BACKOFF (batch-size back-off), HVD_FIXED_TAU, HVD_DEFAULT_WORKLOAD (chat),
-HVD_DEFAULT_TENANT (default), HVD_LEARN (1: the replica holding the learner lock learns online).
+HVD_DEFAULT_TENANT (default), HVD_LEARN (1: the replica holding the learner lock learns online),
+HVD_RULE (gate: HVD; arctic: ArcticInference's score rule, the baseline, for side-by-side benchmarks),
+HVD_DRAFTER_PROFILE (eagle3-smollm2: the trained head's measured acceptance, the prior of the live
+per-workload estimate), HVD_EAGLE_WARM (1: in steps without a model draft EAGLE still drafts one token, keeping its KV cache
+complete; 0: EAGLE is skipped then, and its later drafts attend to gaps).
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from controller.control_poller import ControlPoller
-from controller.decision import CACHE, MODEL, DecisionConfig
+from controller.decision import CACHE, MODEL, RULES, DecisionConfig
 from controller.event_writer import EventWriter
 from controller.learner_service import LearnerService
 from controller.runtime import RequestInput, Runtime
@@ -123,6 +127,9 @@ class PluginSettings:
     default_workload: str
     default_tenant: str
     learn: bool
+    rule: str = "gate"
+    eagle_warm: bool = True
+    drafter_profile: str = "eagle3-smollm2"
 
     @classmethod
     def from_env(cls) -> "PluginSettings":
@@ -146,6 +153,9 @@ class PluginSettings:
             default_workload=os.environ.get("HVD_DEFAULT_WORKLOAD", "chat"),
             default_tenant=os.environ.get("HVD_DEFAULT_TENANT", "default"),
             learn=_truthy(os.environ.get("HVD_LEARN", "1")),
+            rule=_choice("HVD_RULE", RULES, "gate"),
+            eagle_warm=_truthy(os.environ.get("HVD_EAGLE_WARM", "1")),
+            drafter_profile=os.environ.get("HVD_DRAFTER_PROFILE", "eagle3-smollm2"),
         )
 
 
@@ -155,7 +165,7 @@ class HybridState:
     def __init__(self, runner) -> None:
         from predictor.champion import load_gate
         from predictor.cache_drafter import SuffixConfig
-        from predictor.profiles import cost_profiles, pick
+        from predictor.profiles import chain_mean, cost_profiles, drafter_profiles, pick
         from predictor.tokens import TraceTokenizer
         from storage.engine import make_engine
         from storage.migrate import upgrade
@@ -171,10 +181,14 @@ class HybridState:
             raise PluginConfigError(f"HVD_FALLBACK=model needs speculative method eagle3, got {spec.method!r}")
         self.run_eagle = fallback == "model"
         (cost,) = pick(cost_profiles(), [settings.cost_profile], "cost")
+        (drafter,) = pick(drafter_profiles(), [settings.drafter_profile], "drafter")
+        k_e = min(settings.model_draft_len, self.k_max)
         decision = DecisionConfig(
-            fallback=fallback, model_draft_len=min(settings.model_draft_len, self.k_max), cost=cost,
+            initial_model_accepted=chain_mean(drafter.acceptance, k_e),
+            initial_model_accepted_by_workload={w: chain_mean(drafter.acceptance_for(w), k_e) for w in WORKLOADS},
+            fallback=fallback, model_draft_len=k_e, cost=cost,
             max_running_for_speculation=settings.max_running, backoff=settings.backoff,
-            fixed_tau=settings.fixed_tau,
+            fixed_tau=settings.fixed_tau, rule=settings.rule,
         )
         engine = make_engine(database_url(settings.database_url))
         upgrade(engine)
@@ -230,8 +244,11 @@ class HybridState:
         finished = [r for r in known if r not in running]
         plan = self.runtime.step(inputs, finished)
         eagle_rows = None
-        if self.run_eagle and (plan.source == MODEL).any():
-            k_e = self.runtime.decision.model_draft_len
+        wanted = (plan.source == MODEL).any()
+        if self.run_eagle and (wanted or (self.settings.eagle_warm and (plan.source == CACHE).any())):
+            # Without a model draft this step EAGLE still runs one position: that writes the head's
+            # KV cache for the tokens this step verified, which its later drafts attend to.
+            k_e = self.runtime.decision.model_draft_len if wanted else 1
             sched = dataclasses.replace(scheduler_output, num_spec_tokens_to_schedule=k_e)
             eagle = original(runner, sched, sampled_token_ids, *args, **kwargs)
             eagle_rows = eagle.tolist() if hasattr(eagle, "tolist") else [list(r) for r in eagle]
@@ -272,6 +289,13 @@ def _extra_args(runner, req_id: str) -> dict:
     state = runner.requests.get(req_id)
     params = getattr(state, "sampling_params", None)
     return dict(getattr(params, "extra_args", None) or {})
+
+
+def _choice(name: str, allowed: tuple[str, ...], default: str) -> str:
+    raw = os.environ.get(name) or default
+    if raw not in allowed:
+        raise PluginConfigError(f"{name}={raw!r} is not one of {allowed}")
+    return raw
 
 
 def _truthy(value) -> bool:

@@ -45,13 +45,14 @@ def evaluate(data: Dataset, gate: GatePredictor, drafters: Sequence[DrafterProfi
                       "calibration": calibration(predicted[has], sim.label[has])},
     }
     for drafter in drafters:
-        model_acc = model_accepted(len(sim.trace), drafter, seed)
+        model_acc = model_accepted(len(sim.trace), drafter, seed, sim.trace_workload[sim.trace])
         policies = {}
         for policy in POLICIES:
             tallies = simulate(policy, sim, drafter, cost, model_acc)
             policies[policy] = _aggregate(tallies, rp.workload, cost)
         report["drafters"][drafter.name] = {
-            "simulated": True, "draft_len": drafter.draft_len, "acceptance": drafter.acceptance,
+            "simulated": True, "acceptance_measured": drafter.measured, "draft_len": drafter.draft_len,
+            "acceptance": drafter.acceptance, "acceptance_by_workload": dict(drafter.by_workload),
             "tokens_per_cycle": round(drafter.tokens_per_cycle, 4), "policies": policies,
         }
     report["checks"] = checks(report)

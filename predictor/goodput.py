@@ -18,7 +18,7 @@ def model_step_ms(cost: CostProfile, model_draft_len: int) -> float:
     return cost.target_ms(1 + model_draft_len) + model_draft_len * cost.draft_token_ms
 
 
-def tau_star(cache_draft_len: np.ndarray, mu_e: float, model_draft_len: int, cost: CostProfile) -> np.ndarray:
+def tau_star(cache_draft_len: np.ndarray, mu_e: float | np.ndarray, model_draft_len: int, cost: CostProfile) -> np.ndarray:
     """Threshold on the predicted accepted length, per cache draft length."""
     k_c = np.asarray(cache_draft_len, dtype=np.float64)
     cache_ms = cost.base_ms + cost.per_token_ms * (1.0 + k_c)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 PROFILES_FILE = Path(__file__).with_name("profiles.toml")
@@ -14,26 +14,53 @@ class ProfileError(ValueError):
 
 @dataclass(frozen=True)
 class DrafterProfile:
-    """A simulated model drafter: chain of `draft_len` tokens, per-token acceptance `acceptance`."""
+    """A model drafter for the simulator: a chain of `draft_len` tokens, each accepted with
+    probability `acceptance` (per workload where `by_workload` says) given the earlier ones were.
+    `measured` says the acceptance was measured under an engine, not assumed; the chain is simulated."""
 
     name: str
     draft_len: int
     acceptance: float
     description: str = ""
+    by_workload: dict[str, float] = field(default_factory=dict)
+    measured: bool = False
 
     def __post_init__(self) -> None:
         if self.draft_len < 1:
             raise ProfileError(f"drafter {self.name}: draft_len must be >= 1, got {self.draft_len}")
-        if not 0.0 <= self.acceptance < 1.0:
-            raise ProfileError(f"drafter {self.name}: acceptance must be in [0, 1), got {self.acceptance}")
+        for label, value in [("acceptance", self.acceptance), *((f"by_workload.{w}", a) for w, a in self.by_workload.items())]:
+            if not 0.0 <= value < 1.0:
+                raise ProfileError(f"drafter {self.name}: {label} must be in [0, 1), got {value}")
+
+    def acceptance_for(self, workload: str) -> float:
+        return self.by_workload.get(workload, self.acceptance)
+
+    def mean_accepted_for(self, workload: str) -> float:
+        return chain_mean(self.acceptance_for(workload), self.draft_len)
 
     @property
     def mean_accepted(self) -> float:
-        return sum(self.acceptance**i for i in range(1, self.draft_len + 1))
+        return chain_mean(self.acceptance, self.draft_len)
 
     @property
     def tokens_per_cycle(self) -> float:
         return 1.0 + self.mean_accepted
+
+
+def chain_mean(acceptance: float, draft_len: int) -> float:
+    """Mean accepted tokens of a chain draft: sum_{i=1..k} acceptance^i."""
+    return sum(acceptance**i for i in range(1, draft_len + 1))
+
+
+def chain_acceptance(mean_accepted: float, draft_len: int) -> float:
+    """The per-token acceptance whose chain has this mean (the inverse of chain_mean, by bisection)."""
+    if not 0.0 <= mean_accepted < draft_len:
+        raise ProfileError(f"mean accepted {mean_accepted} is outside [0, {draft_len})")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if chain_mean(mid, draft_len) < mean_accepted else (lo, mid)
+    return lo
 
 
 @dataclass(frozen=True)

@@ -72,13 +72,23 @@ class SimInput:
     trace_workload: np.ndarray  # per trace index
 
 
-def model_accepted(rows: int, drafter: DrafterProfile, seed: int) -> np.ndarray:
-    """Accepted tokens of the simulated model drafter per row: P(a >= i) = acceptance ** i."""
+def model_accepted(rows: int, drafter: DrafterProfile, seed: int, workload: np.ndarray | None = None) -> np.ndarray:
+    """Accepted tokens of the simulated model drafter per row: P(a >= i) = acceptance ** i, with the
+    acceptance of each row's workload (index into WORKLOADS) where the profile has one."""
     u = np.random.default_rng(seed).random(rows)
-    if drafter.acceptance <= 0.0:
-        return np.zeros(rows, dtype=np.int64)
-    a = np.floor(np.log(np.maximum(u, 1e-300)) / np.log(drafter.acceptance))
+    p = _row_values(drafter.acceptance_for, drafter.acceptance, rows, workload)
+    with np.errstate(divide="ignore"):
+        a = np.where(p > 0.0, np.floor(np.log(np.maximum(u, 1e-300)) / np.log(np.where(p > 0.0, p, 0.5))), 0.0)
     return np.minimum(a, drafter.draft_len).astype(np.int64)
+
+
+def _row_values(of_workload, default: float, rows: int, workload: np.ndarray | None) -> np.ndarray:
+    from predictor.traces import WORKLOADS
+
+    if workload is None:
+        return np.full(rows, default, dtype=np.float64)
+    table = np.array([of_workload(w) for w in WORKLOADS], dtype=np.float64)
+    return table[np.asarray(workload, dtype=np.int64)]
 
 
 def decisions(policy: str, data: SimInput, drafter: DrafterProfile, cost: CostProfile) -> np.ndarray:
@@ -92,7 +102,8 @@ def decisions(policy: str, data: SimInput, drafter: DrafterProfile, cost: CostPr
         return np.full(len(has_cache), MODEL, dtype=np.int8)
     if policy == "arctic":
         return np.where(has_cache & (data.score >= drafter.draft_len), CACHE, MODEL).astype(np.int8)
-    tau = tau_star(data.draft_len, drafter.mean_accepted, drafter.draft_len, cost)
+    mu_e = _row_values(drafter.mean_accepted_for, drafter.mean_accepted, len(has_cache), data.trace_workload[data.trace])
+    tau = tau_star(data.draft_len, mu_e, drafter.draft_len, cost)
     if policy == "hvd":
         return np.where(has_cache & (data.predicted > tau), CACHE, MODEL).astype(np.int8)
     if policy == "oracle":

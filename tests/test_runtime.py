@@ -217,3 +217,20 @@ def test_overrides_and_corrections_reach_the_decision(tokenizer):
     assert plan_for(controls, "beta").source.tolist() == [MODEL]  # hybrid off: always the model drafter
     assert plan_for(controls, "gamma").tau[0] == pytest.approx(40.0)  # auto + 100 clipped into [30, 40]
     assert plan_for(controls, "old").tau[0] == pytest.approx(auto.tau[0] + 100.0)  # expired: auto again
+
+
+def test_arctic_rule_verifies_by_score_not_by_the_gate(tokenizer, gate):
+    """The baseline: cache draft iff its suffix-tree score reaches the model draft length, whatever
+    the gate predicts (a repeating prompt scores high; a request with no match falls back)."""
+    prompt = list(range(100, 140)) * 3
+    inputs = [RequestInput("rep", [100], prompt, workload="coding"),
+              RequestInput("new", [7], list(range(500, 560)), workload="coding")]
+    runtime = Runtime(gate, tokenizer.classes, DecisionConfig(rule="arctic", model_draft_len=3, fixed_tau=1e9))
+    plan = runtime.step(inputs)
+    assert plan.cache_len[0] > 0 and plan.source.tolist() == [CACHE, MODEL]
+    assert plan.tau[0] == 3.0
+    strict = Runtime(gate, tokenizer.classes, DecisionConfig(rule="arctic", model_draft_len=16))
+    plan = strict.step(inputs)  # a score (sum of token probabilities) never reaches 16 here
+    assert plan.cache_len[0] > 0 and plan.source.tolist() == [MODEL, MODEL]
+    with pytest.raises(ValueError, match="rule must be one of"):
+        DecisionConfig(rule="greedy")

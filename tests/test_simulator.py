@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from predictor.goodput import tau_star
-from predictor.profiles import CostProfile, DrafterProfile, cost_profiles, drafter_profiles
+from predictor.profiles import CostProfile, DrafterProfile, ProfileError, cost_profiles, drafter_profiles
 from predictor.simulator import CACHE, MODEL, NONE, POLICIES, SimInput, decisions, figures, model_accepted, simulate
 
 # Flat cost: every forward costs 10 ms whatever its width, drafting is free -> tau* = mu_e exactly.
@@ -132,3 +132,18 @@ def test_model_accepted_matches_profile(drafter):
 
 def test_model_accepted_with_zero_acceptance():
     assert model_accepted(10, DrafterProfile("z", 4, 0.0), seed=0).tolist() == [0] * 10
+
+
+def test_per_workload_acceptance_is_used_per_row():
+    from predictor.profiles import chain_acceptance, chain_mean
+    from predictor.traces import WORKLOADS
+
+    d = DrafterProfile("m", 3, 0.2, by_workload={"sql": 0.8}, measured=True)
+    workload = np.array([WORKLOADS.index("sql")] * 100_000 + [WORKLOADS.index("chat")] * 100_000)
+    a = model_accepted(len(workload), d, seed=1, workload=workload)
+    assert a[:100_000].mean() == pytest.approx(chain_mean(0.8, 3), abs=0.02)
+    assert a[100_000:].mean() == pytest.approx(chain_mean(0.2, 3), abs=0.02)
+    assert d.mean_accepted_for("sql") == pytest.approx(0.8 + 0.64 + 0.512)
+    assert chain_acceptance(chain_mean(0.37, 3), 3) == pytest.approx(0.37, abs=1e-9)
+    with pytest.raises(ProfileError, match="by_workload.sql"):
+        DrafterProfile("bad", 3, 0.2, by_workload={"sql": 1.5})

