@@ -27,8 +27,15 @@ def _replica(schema: str, name: str, sources: list[str], out) -> None:
     seen_off: list[bool] = []
 
     def on_step(run, runtime) -> None:
+        import time
+
         if not seen_off:
             out.put({"serving": name})
+            # Hold the first step until the operator's override reaches this replica's poller (or
+            # 60 s pass): otherwise a fast replica can finish its 250 requests before it polls.
+            deadline = time.time() + 60
+            while not runtime.controls.overrides and time.time() < deadline:
+                time.sleep(0.1)
         seen_off.append(len(runtime.controls.overrides) > 0)
 
     result = serve_replay(_engine(schema), picked, ReplayServeOptions(batch_size=4, replica=name, progress_seconds=999),
