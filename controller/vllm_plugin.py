@@ -24,9 +24,10 @@ HVD_MAX_RUNNING / HVD_BACKOFF (batch-size back-off), HVD_FIXED_TAU, HVD_DEFAULT_
 HVD_DEFAULT_TENANT (default), HVD_LEARN (1: the replica holding the learner lock learns online),
 HVD_RULE (gate: HVD; arctic: ArcticInference's score rule, the baseline, for side-by-side benchmarks),
 HVD_DRAFTER_PROFILE (eagle3-smollm2: the trained head's measured acceptance, the prior of the live
-per-workload estimate), HVD_EAGLE_WARM (0, default: EAGLE is skipped in steps without a model draft, and its later drafts
-attend to gaps in its own KV cache; 1: it still drafts one token then, keeping that cache complete,
-which cost 4% of tokens/s at batch 1 and bought no acceptance measurable here).
+per-workload estimate), HVD_EAGLE_WARM (0, default: EAGLE is skipped in steps without a model
+draft, and its later drafts attend to gaps in its own KV cache; 1: it still drafts one token then,
+keeping that cache complete, which cost 4% of tokens/s at batch 1 and bought no acceptance
+measurable here).
 """
 from __future__ import annotations
 
