@@ -82,7 +82,7 @@ class EventWriter:
                 # the engine's main thread shares its core with this one (threads inherit its
                 # binding), and a wake-up plus a commit per decode step cost it ~1 ms a step.
                 stopping = self._stop.wait(self.flush_interval)
-            self._take(self.events.get_batch(self.batch_size, timeout=0.0))
+            self._take(self.events.get_batch(self.batch_size))
             ok = True
             if self._buffer:
                 ok = self.flush()
@@ -106,7 +106,7 @@ class EventWriter:
 
     def drain_now(self) -> bool:
         """Synchronous use (no thread running): move everything queued into SQL now."""
-        while got := self.events.get_batch(self.batch_size, timeout=0.0):
+        while got := self.events.get_batch(self.batch_size):
             self._take(got)
         ok = self.flush()
         if self.stats is not None:

@@ -65,13 +65,9 @@ class EventQueue:
             self.accepted += 1
         return True
 
-    def get_batch(self, max_items: int, timeout: float) -> list[LabelledEvent]:
-        """Up to max_items events; waits at most `timeout` seconds for the first one."""
-        try:
-            first = self._queue.get(timeout=timeout)
-        except queue.Empty:
-            return []
-        batch = [first]
+    def get_batch(self, max_items: int) -> list[LabelledEvent]:
+        """Up to max_items queued events, without waiting (the writer paces itself)."""
+        batch: list[LabelledEvent] = []
         while len(batch) < max_items:
             try:
                 batch.append(self._queue.get_nowait())

@@ -85,20 +85,3 @@ def apply_method_env(method: str) -> None:
         else:
             os.environ[name] = value
 
-
-def trace_prompts(workloads: tuple[str, ...], per_workload: int, max_tokens: int = 1000,
-                  skip: int = 0) -> list[tuple[str, list[int]]]:
-    """Real prompts from the bundled traces: (workload, token ids), each context rendered with
-    SmolLM2's chat template and cut to its last `max_tokens` tokens (the end of a multi-turn
-    history is where the model continues). Later turns of sessions first: they carry history."""
-    from predictor.tokens import TraceTokenizer
-    from predictor.traces import bundled_traces_path, load_traces
-
-    records, _ = load_traces([bundled_traces_path()])
-    tokenizer = TraceTokenizer()
-    out: list[tuple[str, list[int]]] = []
-    for workload in workloads:
-        chosen = sorted((r for r in records if r.workload == workload), key=lambda r: (-r.turn, r.trace_id))
-        for record in chosen[skip : skip + per_workload]:
-            out.append((workload, tokenizer.encode_context(record)[-max_tokens:].tolist()))
-    return out

@@ -91,10 +91,6 @@ class Engine:
                                   [params] * len(prompts), use_tqdm=False)
         return [tuple(o.outputs[0].token_ids) for o in outs]
 
-    @property
-    def started(self) -> bool:
-        return self._llm is not None
-
     def close(self) -> None:
         import gc
 

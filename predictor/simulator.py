@@ -14,6 +14,7 @@ import numpy as np
 
 from predictor.goodput import model_step_ms, tau_star
 from predictor.profiles import CostProfile, DrafterProfile
+from predictor.traces import WORKLOADS
 
 POLICIES: tuple[str, ...] = ("none", "suffix", "model", "arctic", "hvd", "oracle")
 NONE, CACHE, MODEL = 0, 1, 2
@@ -83,8 +84,6 @@ def model_accepted(rows: int, drafter: DrafterProfile, seed: int, workload: np.n
 
 
 def _row_values(of_workload, default: float, rows: int, workload: np.ndarray | None) -> np.ndarray:
-    from predictor.traces import WORKLOADS
-
     if workload is None:
         return np.full(rows, default, dtype=np.float64)
     table = np.array([of_workload(w) for w in WORKLOADS], dtype=np.float64)

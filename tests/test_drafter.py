@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from drafter.corpus import DRAFTER_WORKLOADS, prompts, select
+from drafter.corpus import DRAFTER_WORKLOADS, render, select
 from drafter.generate import Sample, read_samples
 from drafter.hidden_states import HiddenStateReader, training_row
 from drafter.pipeline import PipelineConfig, run
@@ -38,11 +38,11 @@ def test_training_and_held_out_prompts_are_disjoint_and_balanced(records):
 
 
 def test_plain_prompts_become_one_chat_turn(records):
-    plain = next(r for r in records if isinstance(r.context, str))
-    (p,) = [q for q in prompts([plain], held_out=any(select([plain], True)), max_prompt_tokens=10_000)]
     from predictor.tokens import TraceTokenizer
 
-    text = TraceTokenizer()._tok.decode(list(p.token_ids), skip_special_tokens=False)
+    plain = next(r for r in records if isinstance(r.context, str))
+    tokenizer = TraceTokenizer()
+    text = tokenizer._tok.decode(list(render(plain, tokenizer, 10_000)), skip_special_tokens=False)
     assert text.startswith("<|im_start|>user\n") and text.endswith("<|im_start|>assistant\n")
 
 

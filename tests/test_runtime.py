@@ -58,7 +58,7 @@ def match_len_gate() -> GatePredictor:
 
 def drain(queue: EventQueue) -> list[LabelledEvent]:
     out = []
-    while batch := queue.get_batch(100_000, 0.0):
+    while batch := queue.get_batch(100_000):
         out += batch
     return out
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from controller import vllm_engine as ve
+from drafter.corpus import held_out_prompts
 from trace_subset import champion_database
 
 ve.cpu_environment()
@@ -30,9 +31,8 @@ WORKLOADS = ("agentic", "code_edit", "sql")
 
 @pytest.fixture(scope="module")
 def prompts() -> list[tuple[str, list[int]]]:
-    # 8 real multi-turn prompts: 3 agentic, 3 code edit, 2 SQL.
-    items = ve.trace_prompts(WORKLOADS, per_workload=3, max_tokens=700)
-    return items[:8]
+    # 8 real held-out prompts, interleaved: 3 agentic, 3 code edit, 2 SQL.
+    return held_out_prompts(WORKLOADS, per_workload=3, max_tokens=700)[:8]
 
 
 @pytest.fixture(scope="module")
