@@ -98,7 +98,7 @@ traces: setup
 clean-venv:
 	rm -rf $(VENV)
 
-# The EAGLE3 head (drafter/pipeline.py): on-policy answers, hidden states, `speculators train` on the CPU,
+# The EAGLE3 head (eagle3_training/pipeline.py): on-policy answers, hidden states, `speculators train` on the CPU,
 # export to models/eagle3-smollm2-135m. Hours at larger budgets: it runs in the background (log in
 # var/eagle3/log), every stage resumes where a stopped run ended; Ctrl-C stops following, not training.
 EAGLE3_ARGS ?=

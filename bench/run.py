@@ -21,7 +21,7 @@ import torch  # noqa: E402
 from predictor.cache_drafter import CacheDrafter  # noqa: E402
 from predictor.features import NUM_FEATURES, schema_hash  # noqa: E402
 from predictor.mlp import MLP, GatePredictor  # noqa: E402
-from predictor.replay import replay  # noqa: E402
+from predictor.trace_replay import replay  # noqa: E402
 from predictor.tokens import TraceTokenizer  # noqa: E402
 from predictor.traces import bundled_traces_path, load_traces  # noqa: E402
 
@@ -127,9 +127,9 @@ class TimedDrafter(CacheDrafter):
 def bench_runtime(records, tokenizer) -> None:
     """Runtime.step driven by the replay engine at batch 1, 32 and 256: its overhead (features,
     prediction, decision, hindsight bookkeeping) as a ratio to the suffix lookups of the same steps."""
-    from controller.decision import DecisionConfig
-    from controller.replay_engine import run_replay
-    from controller.runtime import Runtime
+    from controller.core.decision import DecisionConfig
+    from controller.engines.trace_engine import run_replay
+    from controller.core.runtime import Runtime
     from predictor.profiles import drafter_profiles
 
     torch.manual_seed(0)
@@ -196,9 +196,9 @@ def bench_writer() -> None:
 
     from sqlalchemy import create_engine, text
 
-    from controller.event_writer import EventWriter
-    from controller.events import EventQueue, LabelledEvent
-    from controller.stats_writer import StatsWriter
+    from controller.services.event_writer import EventWriter
+    from controller.core.events import EventQueue, LabelledEvent
+    from controller.services.stats_writer import StatsWriter
     from storage.migrate import upgrade
 
     n = 50_000

@@ -71,7 +71,7 @@ def main() -> int:
 
     from vllm import LLM, SamplingParams
 
-    from controller.vllm_engine import patch_llvmlite
+    from controller.engines.vllm_engine import patch_llvmlite
 
     patch_llvmlite()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -24,7 +24,7 @@ import sys
 import time
 
 from controller import vllm_engine as ve
-from drafter.corpus import held_out_prompts
+from eagle3_training.corpus import held_out_prompts
 
 ve.cpu_environment()
 BENCH_WORKLOADS = ("agentic", "code_edit", "sql")

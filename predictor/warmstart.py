@@ -13,8 +13,8 @@ from predictor.champion import CHAMPION
 from predictor.features import schema_hash
 from predictor.metrics import gate_metrics
 from predictor.mlp import GatePredictor
-from predictor.replay import ReplayResult
-from predictor.replay_cache import DEFAULT_CACHE_DIR, cached_replay, replay_key
+from predictor.trace_replay import ReplayResult
+from predictor.trace_replay_cache import DEFAULT_CACHE_DIR, cached_replay, replay_key
 from predictor.split import test_mask
 from predictor.tokens import TraceTokenizer
 from predictor.traces import WORKLOADS, LoadReport, TraceRecord, bundled_traces_path, load_traces

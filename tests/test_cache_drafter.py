@@ -12,7 +12,7 @@ from arctic_inference.suffix_decoding import SuffixDecodingCache
 from predictor.cache_drafter import SOURCE_GLOBAL, SOURCE_NONE, SOURCE_PROMPT, CacheDrafter, SuffixConfig
 from predictor.features import NUM_FEATURES
 from predictor.labels import lcp
-from predictor.replay import replay
+from predictor.trace_replay import replay
 from predictor.tokens import TraceTokenizer
 from predictor.traces import bundled_traces_path, parse_record
 

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
-from controller.serve_replay import ReplayServeOptions, round_robin_sources, serve_replay  # noqa: E402
+from controller.cli.serve_traces import ReplayServeOptions, round_robin_sources, serve_replay  # noqa: E402
 from predictor.traces import load_traces  # noqa: E402
 from storage import dashboard_queries as q  # noqa: E402
 from storage.engine import make_engine, session_scope  # noqa: E402

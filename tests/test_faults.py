@@ -7,12 +7,12 @@ import pytest
 import torch
 from sqlalchemy import create_engine
 
-from controller.control_poller import ControlPoller
-from controller.decision import DecisionConfig
-from controller.event_writer import EventWriter
-from controller.replay_engine import run_replay
-from controller.runtime import Runtime
-from controller.stats_writer import StatsWriter
+from controller.services.control_poller import ControlPoller
+from controller.core.decision import DecisionConfig
+from controller.services.event_writer import EventWriter
+from controller.engines.trace_engine import run_replay
+from controller.core.runtime import Runtime
+from controller.services.stats_writer import StatsWriter
 from predictor.champion import CHAMPION
 from predictor.features import NUM_FEATURES, schema_hash
 from predictor.mlp import MLP, GatePredictor

@@ -6,19 +6,19 @@ import argparse
 import numpy as np
 import pytest
 
-from controller.cli import _rollback
-from controller.control_poller import ControlPoller
-from controller.decision import DecisionConfig
-from controller.event_writer import EventWriter
-from controller.learner_service import LearnerService
-from controller.replay_engine import run_replay
-from controller.runtime import Runtime
+from controller.cli.main import _rollback
+from controller.services.control_poller import ControlPoller
+from controller.core.decision import DecisionConfig
+from controller.services.event_writer import EventWriter
+from controller.services.learner_service import LearnerService
+from controller.engines.trace_engine import run_replay
+from controller.core.runtime import Runtime
 from predictor.champion import CHAMPION, load_gate
 from predictor.features import NUM_FEATURES, schema_hash
 from predictor.mlp import GatePredictor
 from predictor.online import Batch, LearnerConfig, OnlineLearner
 from predictor.profiles import drafter_profiles
-from predictor.replay import replay
+from predictor.trace_replay import replay
 from predictor.tokens import TraceTokenizer
 from predictor.traces import WORKLOADS, bundled_traces_path, load_traces
 from storage.engine import make_engine, session_scope

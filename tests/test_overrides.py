@@ -499,7 +499,7 @@ def test_cli_set_rejects(cli_db: Engine, argv: list[str], message: str) -> None:
     with pytest.raises(OverrideError) as info:
         hvd(cli_db, *base, *argv)
     assert message in str(info.value)
-    assert isinstance(info.value, ValueError)  # controller/cli.py main prints it and exits 2
+    assert isinstance(info.value, ValueError)  # controller/cli/main.py main prints it and exits 2
     assert _count(cli_db) == 0
 
 

@@ -19,7 +19,7 @@ def _engine(schema: str):
 
 
 def _replica(schema: str, name: str, sources: list[str], out) -> None:
-    from controller.serve_replay import ReplayServeOptions, serve_replay
+    from controller.cli.serve_traces import ReplayServeOptions, serve_replay
     from predictor.traces import bundled_traces_path, load_traces
 
     records, _ = load_traces([bundled_traces_path()])

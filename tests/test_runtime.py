@@ -5,17 +5,17 @@ import numpy as np
 import pytest
 import torch
 
-from controller.decision import CACHE, MODEL, NONE, DecisionConfig
-from controller.event_writer import EventWriter
-from controller.events import EventQueue, LabelledEvent
-from controller.replay_engine import run_replay
-from controller.runtime import RequestInput, Runtime, RequestInputError
+from controller.core.decision import CACHE, MODEL, NONE, DecisionConfig
+from controller.services.event_writer import EventWriter
+from controller.core.events import EventQueue, LabelledEvent
+from controller.engines.trace_engine import run_replay
+from controller.core.runtime import RequestInput, Runtime, RequestInputError
 from predictor.cache_drafter import CacheDrafter
 from predictor.features import FEATURE_NAMES, NUM_FEATURES, schema_hash
 from predictor.labels import lcp
 from predictor.mlp import MLP, GatePredictor
 from predictor.profiles import drafter_profiles
-from predictor.replay import replay
+from predictor.trace_replay import replay
 from predictor.tokens import TraceTokenizer
 from predictor.traces import bundled_traces_path, load_traces
 from storage.engine import make_engine, session_scope
@@ -187,7 +187,7 @@ def test_events_reach_sql_in_batches(tmp_path, records, tokenizer, gate):
 def test_overrides_and_corrections_reach_the_decision(tokenizer):
     from datetime import datetime, timedelta, timezone
 
-    from controller.runtime import Controls
+    from controller.core.runtime import Controls
     from storage.overrides import ActiveOverride, OverrideSnapshot
 
     gate = match_len_gate()  # predicts the match length

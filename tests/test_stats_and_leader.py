@@ -24,10 +24,10 @@ from sqlalchemy import Engine, create_engine, func, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
-import controller.stats_writer as stats_writer_mod
-from controller.event_writer import EventWriter
-from controller.events import EventQueue, LabelledEvent
-from controller.stats_writer import StatsWriter
+import controller.services.stats_writer as stats_writer_mod
+from controller.services.event_writer import EventWriter
+from controller.core.events import EventQueue, LabelledEvent
+from controller.services.stats_writer import StatsWriter
 from storage.engine import make_engine, session_scope
 from storage.events import count_events, insert_events, list_events
 from storage.leader import LeaseLeaderLock, PgAdvisoryLeaderLock, make_leader_lock

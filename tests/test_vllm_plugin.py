@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from controller import vllm_engine as ve
-from drafter.corpus import held_out_prompts
+from eagle3_training.corpus import held_out_prompts
 from trace_subset import champion_database
 
 ve.cpu_environment()

@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dataset(args: argparse.Namespace):
-    from predictor.replay_cache import DEFAULT_CACHE_DIR
+    from predictor.trace_replay_cache import DEFAULT_CACHE_DIR
     from predictor.warmstart import build_dataset
 
     return build_dataset(args.traces, skip_bad=args.skip_bad, test_fraction=args.test_fraction, seed=args.seed,
@@ -193,7 +193,7 @@ def _serve(args: argparse.Namespace, engine) -> int:
     load_gate(engine)  # refuse to start without a usable champion
     if args.engine == "replay":
         return _serve_replay(args, engine)
-    from controller.serve_vllm import ServeOptions, exec_server
+    from controller.cli.serve_vllm import ServeOptions, exec_server
 
     if args.max_running is not None and args.max_running < 1:
         raise ValueError(f"--max-running must be >= 1, got {args.max_running}")
@@ -204,15 +204,15 @@ def _serve(args: argparse.Namespace, engine) -> int:
 
 
 def _serve_replay(args: argparse.Namespace, engine) -> int:
-    from controller.serve_replay import ReplayServeOptions, serve_replay
-    from controller.summary import format_serve_summary
+    from controller.cli.serve_traces import ReplayServeOptions, serve_replay
+    from controller.cli.summary import format_serve_summary
     from predictor.traces import bundled_traces_path, load_traces
 
     for name in ("max_requests", "batch_size", "tenants"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    from controller.serve_replay import round_robin_sources
+    from controller.cli.serve_traces import round_robin_sources
 
     records, _ = load_traces(args.traces or [bundled_traces_path()])
     if args.max_requests:
@@ -228,7 +228,7 @@ def _serve_replay(args: argparse.Namespace, engine) -> int:
 
 
 def _scenario(args: argparse.Namespace, engine) -> int:
-    from controller.scenario_shift import format_report, run_shift, write_report
+    from controller.cli.scenario_shift import format_report, run_shift, write_report
     from predictor.warmstart import build_dataset
 
     if args.others < 0 or args.window_tokens < 1:

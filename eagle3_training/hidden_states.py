@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from drafter.generate import Sample
+from eagle3_training.generate import Sample
 
 DEFAULT_LAYERS = (2, 15, 27)  # vLLM's default for a 30-layer target: (2, n // 2, n - 3)
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from predictor.cache_drafter import SuffixConfig
 from predictor.features import schema_hash
-from predictor.replay import ProgressFn, ReplayResult, replay
+from predictor.trace_replay import ProgressFn, ReplayResult, replay
 from predictor.tokens import REPO_ROOT, TraceTokenizer, tokenizer_path
 from predictor.traces import TraceRecord
 

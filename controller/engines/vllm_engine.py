@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 MODELS = REPO_ROOT / "var" / "models"
 MODEL_BF16 = MODELS / "smollm2-135m-bf16"
 MODEL_FP32 = MODELS / "smollm2-135m-fp32"

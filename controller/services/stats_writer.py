@@ -6,7 +6,7 @@ database refuses, the pending deltas are kept (at most `max_pending_keys` keys; 
 oldest keys are dropped and counted in `dropped_keys`) and retried with exponential backoff.
 
 It can run its own thread (`start`/`stop`), or be driven by another writer thread through
-`maybe_flush()` / `flush()` (controller.event_writer.EventWriter does that).
+`maybe_flush()` / `flush()` (controller.services.event_writer.EventWriter does that).
 """
 from __future__ import annotations
 

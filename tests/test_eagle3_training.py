@@ -11,10 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from drafter.corpus import DRAFTER_WORKLOADS, render, select
-from drafter.generate import Sample, read_samples
-from drafter.hidden_states import HiddenStateReader, training_row
-from drafter.pipeline import PipelineConfig, run
+from eagle3_training.corpus import DRAFTER_WORKLOADS, render, select
+from eagle3_training.generate import Sample, read_samples
+from eagle3_training.hidden_states import HiddenStateReader, training_row
+from eagle3_training.pipeline import PipelineConfig, run
 from predictor.traces import bundled_traces_path, load_traces
 from controller import vllm_engine as ve
 
@@ -96,7 +96,7 @@ def test_tiny_pipeline_end_to_end_and_resumes(tmp_path):
 
 
 def test_changed_generation_settings_are_refused(tmp_path):
-    from drafter.generate import Engine, generate
+    from eagle3_training.generate import Engine, generate
 
     folder = tmp_path / "samples"
     folder.mkdir()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from controller.serve_replay import ReplayServeOptions, serve_replay
+from controller.cli.serve_traces import ReplayServeOptions, serve_replay
 from predictor.champion import CHAMPION
 from predictor.features import schema_hash
 from predictor.metrics import precision_recall

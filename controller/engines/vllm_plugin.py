@@ -40,12 +40,12 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from controller.control_poller import ControlPoller
-from controller.decision import CACHE, MODEL, RULES, DecisionConfig
-from controller.event_writer import EventWriter
-from controller.learner_service import LearnerService
-from controller.runtime import RequestInput, Runtime
-from controller.stats_writer import StatsWriter
+from controller.services.control_poller import ControlPoller
+from controller.core.decision import CACHE, MODEL, RULES, DecisionConfig
+from controller.services.event_writer import EventWriter
+from controller.services.learner_service import LearnerService
+from controller.core.runtime import RequestInput, Runtime
+from controller.services.stats_writer import StatsWriter
 from predictor.traces import WORKLOADS
 from storage.leader import make_leader_lock
 

@@ -1,6 +1,6 @@
 """`hvd override set|clear|list`: operator overrides of tau per tenant (optionally per workload).
 
-Errors are raised (OverrideError is a ValueError) for controller/cli.py's `main` to print as one
+Errors are raised (OverrideError is a ValueError) for controller/cli/main.py's `main` to print as one
 line on stderr with exit status 2.
 """
 from __future__ import annotations

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from controller.decision import (CACHE, MODEL, NONE, OFF_CACHE, OFF_MODEL, SOURCE_NAMES, DecisionConfig, decide,
+from controller.core.decision import (CACHE, MODEL, NONE, OFF_CACHE, OFF_MODEL, SOURCE_NAMES, DecisionConfig, decide,
                                  fallback_sources, rule_thresholds)
-from controller.events import DRAFTER_CACHE, DRAFTER_MODEL, EventQueue, LabelledEvent
-from controller.request_state import CacheDraftRecord, ModelDraftRecord, RequestState
+from controller.core.events import DRAFTER_CACHE, DRAFTER_MODEL, EventQueue, LabelledEvent
+from controller.core.request_state import CacheDraftRecord, ModelDraftRecord, RequestState
 from predictor.cache_drafter import CacheDrafter, SuffixConfig
 from predictor.features import DraftColumns, HistoryColumns, draft_features
 from predictor.mlp import GatePredictor

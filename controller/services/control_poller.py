@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from controller.runtime import Controls, Runtime
+from controller.core.runtime import Controls, Runtime
 from predictor.champion import CHAMPION, load_gate
 from predictor.mlp import BlobError
 from storage.engine import session_scope
