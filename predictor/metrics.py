@@ -3,33 +3,27 @@ from __future__ import annotations
 
 import numpy as np
 
-LONG_DRAFT = 6
+from storage.stats import LONG
+
 CALIBRATION_EDGES = (0, 1, 2, 3, 4, 6, 8, 10, 25)
 
 
-def precision_recall(predicted: np.ndarray, label: np.ndarray, threshold: float = LONG_DRAFT) -> tuple[float, float]:
-    """A draft is 'long' when its accepted length >= threshold; predicted long when y_hat >= threshold.
+def precision_recall(predicted: np.ndarray, label: np.ndarray) -> tuple[float, float]:
+    """A draft is 'long' when its accepted length >= LONG; predicted long when y_hat >= LONG.
     An empty denominator gives NaN-free 0.0 (no positives predicted / present)."""
-    pred = np.asarray(predicted) >= threshold
-    true = np.asarray(label) >= threshold
+    pred = np.asarray(predicted) >= LONG
+    true = np.asarray(label) >= LONG
     tp = int(np.sum(pred & true))
     precision = tp / int(pred.sum()) if pred.any() else 0.0
     recall = tp / int(true.sum()) if true.any() else 0.0
     return precision, recall
 
 
-def confusion(predicted: np.ndarray, label: np.ndarray, threshold: float = LONG_DRAFT) -> dict[str, int]:
-    pred = np.asarray(predicted) >= threshold
-    true = np.asarray(label) >= threshold
-    return {"tp": int(np.sum(pred & true)), "fp": int(np.sum(pred & ~true)),
-            "fn": int(np.sum(~pred & true)), "tn": int(np.sum(~pred & ~true))}
-
-
 def gate_metrics(predicted: np.ndarray, label: np.ndarray) -> dict[str, float | int]:
     precision, recall = precision_recall(predicted, label)
     mae = float(np.mean(np.abs(np.asarray(predicted) - np.asarray(label)))) if len(label) else 0.0
     return {"precision_ge6": round(precision, 4), "recall_ge6": round(recall, 4), "mae": round(mae, 4),
-            "drafts": int(len(label)), "long_drafts": int(np.sum(np.asarray(label) >= LONG_DRAFT))}
+            "drafts": int(len(label)), "long_drafts": int(np.sum(np.asarray(label) >= LONG))}
 
 
 def calibration(predicted: np.ndarray, label: np.ndarray) -> list[dict[str, float | int | str]]:

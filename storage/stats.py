@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from storage.models import DecisionEvent, StatBucket
 
 BUCKET_SECONDS = 60
-LONG = 6  # "long" accepted length: the confusion matrix's positive class
+LONG = 6  # a "long" draft accepts >= LONG tokens: the positive class of the gate's precision/recall
 HIST_BINS = 25  # accepted_hist labels 0..24 (24 = 24 or more)
 ALL = "*"  # tenant/workload of rows that are not about one tenant (dropped events)
 UPSERT_CHUNK = 500  # rows per statement (SQLite's bound-parameter limit)

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import Engine, func, select
 
-from controller import cli_overrides
+from controller.cli import overrides as cli_overrides
 from predictor.traces import WORKLOADS
 from storage.engine import make_engine, session_scope
 from storage.migrate import upgrade
