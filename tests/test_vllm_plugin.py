@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 
-from controller import vllm_engine as ve
+from controller.engines import vllm_engine as ve
 from eagle3_training.corpus import held_out_prompts
 from trace_subset import champion_database
 
@@ -21,7 +21,7 @@ ve.cpu_environment()
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
-from controller import vllm_plugin  # noqa: E402
+from controller.engines import vllm_plugin  # noqa: E402
 from storage.engine import make_engine, session_scope  # noqa: E402
 from storage.events import list_events  # noqa: E402
 

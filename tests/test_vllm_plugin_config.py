@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from controller import vllm_plugin
+from controller.engines import vllm_plugin
 
 
 def test_off_unless_enabled(monkeypatch):
@@ -55,7 +55,7 @@ def test_rule_and_drafter_settings(monkeypatch):
 
 
 def test_benchmarked_methods_configure_engine_and_plugin():
-    from controller import vllm_engine as ve
+    from controller.engines import vllm_engine as ve
 
     assert ve.speculative_config("none") is None
     eagle = ve.speculative_config("eagle3")

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from controller import cli_overrides
+from controller.cli import overrides as cli_overrides
 
 DESCRIPTION = """Hybrid Verified Decoding: a learned gate that decides, per decoding step, whether to verify
 the suffix cache's draft or fall back to a model drafter.

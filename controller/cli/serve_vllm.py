@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from controller import vllm_engine as ve
+from controller.engines import vllm_engine as ve
 
 
 @dataclass(frozen=True)
