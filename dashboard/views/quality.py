@@ -43,7 +43,7 @@ st.subheader("Per predictor version")
 st.dataframe(pd.DataFrame(by_version), hide_index=True, width="stretch")
 
 if curve:
-    cdf = pd.DataFrame(curve).dropna(subset=["precision"])
+    cdf = pd.DataFrame(curve).dropna(subset=["precision", "recall"])
     st.subheader("Precision/recall across tau")
     base = alt.Chart(cdf).mark_line(point=True).encode(
         x=alt.X("recall:Q", title=f"Recall (0-1, accepted >= {LONG})", scale=alt.Scale(domain=[0, 1])),
