@@ -60,7 +60,7 @@ def measure(head: Path, prompts: Sequence[Prompt], model: Path, dtype: str, draf
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from controller import vllm_engine as ve
+    from controller.engines import vllm_engine as ve
 
     ve.cpu_environment()
     llm = LLM(**ve.engine_kwargs(model, dtype, max_num_seqs=batch),
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     import json
     import sys
 
-    from controller import vllm_engine as ve
+    from controller.engines import vllm_engine as ve
     from eagle3_training.corpus import DRAFTER_WORKLOADS, prompts
     from predictor.traces import bundled_traces_path, load_traces
 

@@ -82,7 +82,7 @@ class Engine:
         if self._llm is None:
             from vllm import LLM
 
-            from controller import vllm_engine as ve
+            from controller.engines import vllm_engine as ve
 
             ve.cpu_environment()
             self._llm = LLM(**ve.engine_kwargs(self.model, self.dtype, max_num_seqs=self.batch))
