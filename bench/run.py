@@ -184,7 +184,7 @@ def bench_learner(records, tokenizer) -> None:
     start = time.perf_counter()
     for i in range(0, len(batch.label), 2000):
         s = slice(i, i + 2000)
-        learner.learn(Batch(batch.features[s], batch.label[s], batch.draft_len[s], batch.workload[s], batch.tau[s]))
+        learner.learn_many(Batch(batch.features[s], batch.label[s], batch.draft_len[s], batch.workload[s], batch.tau[s]))
     rate = len(batch.label) / (time.perf_counter() - start)
     print(f"online learner: {len(batch.label)} labelled events in batches of 2000: {rate:,.0f} events/s on one core")
 
@@ -223,7 +223,7 @@ def bench_writer() -> None:
             queue.put(e)
         writer = EventWriter(engine, queue, batch_size=5000, stats=StatsWriter(engine))
         start = time.perf_counter()
-        ok = writer.drain_now()
+        ok = writer.flush() and writer.stats.flush()
         rate = n / (time.perf_counter() - start)
         print(f"event writer into {name}: {n} events (raw rows + statistics buckets) at {rate:,.0f} events/s, "
               f"dropped {queue.dropped + writer.dropped}, {'ok' if ok else 'FAILED'}")

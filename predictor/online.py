@@ -1,16 +1,17 @@
-"""Online learning of g_theta from hindsight labels, with drift detection and shadow scoring.
+"""Online learning of g_theta from hindsight labels, with drift detection, in river's two verbs:
+`learn_many(batch)` and `predict_many(features)` (the challenger's predictions).
 
 The learner keeps a challenger (a trainable copy of the champion) and updates it in mini-batches
 of new labelled cache drafts mixed with a replay buffer sampled evenly across workloads, so one
 busy workload does not erase what the others taught. Every event is first scored by both models
-before the challenger learns from it (prequential), which is the shadow evaluation: same events,
-same tau, a goodput proxy and the mean absolute error. A per-workload ADWIN on the champion's error
-flags drift; the learner then takes larger steps for a while. Deterministic under a seed: the same
-events in the same order give the same models and the same promotion decisions.
+before the challenger learns from it (`shadow`: predictor.promotion.ShadowWindow); whether that
+earns a promotion is the policy's call (predictor.promotion.PromotionPolicy), acting on it the
+caller's. A per-workload ADWIN on the champion's error flags drift; the learner then takes larger
+steps for a while. Deterministic under a seed: the same events in the same order give the same
+models and the same shadow scores.
 """
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ from river import drift
 
 from predictor.features import NUM_FEATURES
 from predictor.mlp import MLP, GatePredictor
+from predictor.promotion import GoodputFn, PromotionPolicy, ShadowWindow
 from predictor.traces import WORKLOADS
 
 
@@ -35,9 +37,7 @@ class LearnerConfig:
     adwin_delta: float = 0.002
     drift_chunk: int = 200  # ADWIN sees the mean error of each chunk of a workload's events
     window: int = 20_000  # shadow-scoring window (events)
-    promote_min_events: int = 20_000  # scored events since the last promotion before another
-    promote_margin: float = 0.01  # challenger goodput must beat the champion's by this fraction
-    max_mae_increase: float = 0.05  # and its calibration must not be worse by more than this
+    promotion: PromotionPolicy = field(default_factory=PromotionPolicy)  # applied by the learner's caller
 
 
 @dataclass
@@ -48,29 +48,10 @@ class DriftSignal:
 
 
 @dataclass
-class ShadowScore:
-    events: int
-    champion_goodput: float
-    challenger_goodput: float
-    champion_mae: float
-    challenger_mae: float
-
-    @property
-    def gain(self) -> float:
-        return self.challenger_goodput / self.champion_goodput - 1.0 if self.champion_goodput > 0 else 0.0
-
-    def to_json(self) -> dict:
-        return {"events": self.events, "champion_goodput": round(self.champion_goodput, 6),
-                "challenger_goodput": round(self.challenger_goodput, 6), "champion_mae": round(self.champion_mae, 5),
-                "challenger_mae": round(self.challenger_mae, 5), "gain": round(self.gain, 5)}
-
-
-@dataclass
 class LearnResult:
     events: int = 0
     updates: int = 0
     drifts: list[DriftSignal] = field(default_factory=list)
-    promote: ShadowScore | None = None  # set when the challenger earned a promotion
 
 
 @dataclass
@@ -84,14 +65,9 @@ class Batch:
     tau: np.ndarray  # the threshold each draft was (or would have been) held to
 
 
-# (label, draft_len, decided_cache) -> (tokens, milliseconds) of the step that decision implies
-GoodputFn = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]
-
-
 class OnlineLearner:
     def __init__(self, champion: GatePredictor, goodput: GoodputFn, config: LearnerConfig | None = None) -> None:
         self.config = config or LearnerConfig()
-        self.goodput = goodput
         torch.manual_seed(self.config.seed)
         self._rng = np.random.default_rng(self.config.seed)
         self.champion = champion
@@ -102,8 +78,8 @@ class OnlineLearner:
         self._buffers = {w: _Reservoir(self.config.buffer_per_workload, NUM_FEATURES, self._rng) for w in range(len(WORKLOADS))}
         self._adwin = {w: drift.ADWIN(delta=self.config.adwin_delta, clock=1) for w in range(len(WORKLOADS))}
         self._pending_errors: dict[int, list[float]] = {}
-        self._window: deque[tuple[float, float, float, float, float, float]] = deque(maxlen=self.config.window)
-        self._since_promotion = 0
+        self.shadow = ShadowWindow(goodput, self.config.window)
+        self.since_promotion = 0  # events learned since the champion last changed
         self._boost = 0
         self.events_seen = 0
         self.updates = 0
@@ -114,14 +90,18 @@ class OnlineLearner:
     def adopt(self, champion: GatePredictor) -> None:
         """A new champion (promoted here, or moved by an operator's rollback): score against it."""
         self.champion = champion
-        self._window.clear()
-        self._since_promotion = 0
+        self.shadow.clear()
+        self.since_promotion = 0
 
-    def learn(self, batch: Batch) -> LearnResult:
+    def predict_many(self, features: np.ndarray) -> np.ndarray:
+        return self.challenger().predict(features)
+
+    def learn_many(self, batch: Batch) -> LearnResult:
         result = LearnResult(events=len(batch.label))
         if not len(batch.label):
             return result
-        self._shadow_score(batch)
+        self.shadow.add(batch.label, batch.draft_len, batch.tau, batch.workload,
+                        self.champion.predict(batch.features), self.predict_many(batch.features))
         result.drifts = self._detect_drift(batch)
         if result.drifts:
             self._boost = self.config.boost_updates
@@ -133,31 +113,10 @@ class OnlineLearner:
             self._update(batch.features[start:end], batch.label[start:end])
             result.updates += 1
         self.events_seen += len(batch.label)
-        self._since_promotion += len(batch.label)
-        score = self.shadow_score()
-        cfg = self.config
-        if (score is not None and self._since_promotion >= cfg.promote_min_events and score.gain >= cfg.promote_margin
-                and score.challenger_mae <= score.champion_mae + cfg.max_mae_increase):
-            result.promote = score
+        self.since_promotion += len(batch.label)
         return result
 
-    def shadow_score(self) -> ShadowScore | None:
-        if not self._window:
-            return None
-        w = np.array(self._window)
-        return ShadowScore(len(w), w[:, 0].sum() / w[:, 1].sum(), w[:, 2].sum() / w[:, 3].sum(), w[:, 4].mean(),
-                           w[:, 5].mean())
-
     # ---------------------------------------------------------------- internals
-    def _shadow_score(self, batch: Batch) -> None:
-        champ = self.champion.predict(batch.features)
-        chall = self.challenger().predict(batch.features)
-        tok_a, ms_a = self.goodput(batch.label, batch.draft_len, champ > batch.tau, batch.workload)
-        tok_b, ms_b = self.goodput(batch.label, batch.draft_len, chall > batch.tau, batch.workload)
-        err_a, err_b = np.abs(champ - batch.label), np.abs(chall - batch.label)
-        self._window.extend(zip(tok_a.tolist(), ms_a.tolist(), tok_b.tolist(), ms_b.tolist(), err_a.tolist(),
-                                err_b.tolist()))
-
     def _detect_drift(self, batch: Batch) -> list[DriftSignal]:
         """ADWIN per workload on the champion's mean absolute error over chunks of events: drafts
         of one request are strongly correlated, and ADWIN on single events raises false alarms."""

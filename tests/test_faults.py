@@ -61,13 +61,13 @@ def test_database_down_then_back(world):
     assert not poller.poll_once() and poller.failures == 1
     assert runtime.version_id == 1 and len(runtime.controls.overrides) == 1  # last known control plane kept
     assert run.total().model_cycles > 0 and run.total().cache_cycles == 0  # tenant-x: hybrid off, still obeyed
-    assert not writer.drain_now()
-    queued = runtime.events.accepted
+    assert not writer.flush() and not stats.flush()
+    queued = runtime.events.queued
     assert writer.failures >= 1 and len(writer._buffer) == 500 and writer.dropped == queued - 500
     assert stats.failures >= 1 and stats.dropped_keys > 0 and stats.pending_keys() == 1
     # the database comes back
     writer.engine = stats.engine = poller.engine = engine
-    assert writer.drain_now() and poller.poll_once()
+    assert writer.flush() and stats.flush() and poller.poll_once()
     with session_scope(engine) as s:
         assert count_events(s) == 500
         buckets = read_buckets(s)

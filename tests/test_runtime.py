@@ -158,13 +158,13 @@ def test_full_queue_drops_and_counts_exactly():
     event = LabelledEvent(0.0, "t", "chat", "r", 1, "cache", "none", 3, 1, 0.5, 1.0, None, None)
     results = [q.put(event) for _ in range(8)]
     assert results == [True] * 5 + [False] * 3
-    assert (q.accepted, q.dropped, q.depth()) == (5, 3, 5)
+    assert (q.queued, q.dropped, q.depth()) == (5, 3, 5)
 
 
 def test_runtime_never_blocks_on_a_full_queue(records, tokenizer, gate):
     runtime = Runtime(gate, tokenizer.classes, DecisionConfig(fallback="none", fixed_tau=1e9), events=EventQueue(10))
     run_replay(runtime, records[:3], tokenizer, DRAFTER)
-    assert runtime.events.accepted == 10
+    assert runtime.events.queued == 10
     assert runtime.events.dropped == runtime.stats.cache_drafts - 10 > 0
 
 
@@ -175,7 +175,7 @@ def test_events_reach_sql_in_batches(tmp_path, records, tokenizer, gate):
     writer = EventWriter(engine, runtime.events, batch_size=500, flush_interval=0.05).start()
     run_replay(runtime, records[:6], tokenizer, DRAFTER, batch_size=3, tenant_of=lambda r: f"tenant-{r.source[:3]}")
     writer.stop()
-    assert writer.written == runtime.events.accepted > 0 and writer.dropped == 0
+    assert writer.written == runtime.events.queued > 0 and writer.dropped == 0
     with session_scope(engine) as session:
         assert count_events(session) == writer.written
         first = list_events(session, limit=1)[0]

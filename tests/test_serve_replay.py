@@ -3,12 +3,16 @@ cleanly, and everything it reported as written is in SQL."""
 from __future__ import annotations
 
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+import pytest
 
 from storage.engine import make_engine, session_scope
 from storage.events import count_events
@@ -23,17 +27,26 @@ def test_ctrl_c_stops_cleanly_and_keeps_committed_data(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("HVD_")}
     proc = subprocess.Popen([str(HVD), "--db", db, "serve", "--engine", "replay", "--max-requests", "5000"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines = []
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        line = proc.stdout.readline()
-        lines.append(line)
-        if "cycles/1k" in line:  # a progress line: it is serving
-            break
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True)
+    reader.start()
+    seen: list[str] = []
+    deadline = time.monotonic() + 120
+    while not (seen and "cycles/1k" in seen[-1]):  # a progress line: it is serving
+        if time.monotonic() > deadline or (proc.poll() is not None and lines.empty()):
+            proc.kill()
+            pytest.fail("no progress line within 120 s:\n" + "".join(seen))
+        try:
+            seen.append(lines.get(timeout=1.0))
+        except queue.Empty:
+            pass
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=120)
-    text = "".join(lines) + out
-    assert proc.returncode == 0, text
+    returncode = proc.wait(timeout=120)
+    reader.join(10)
+    while not lines.empty():
+        seen.append(lines.get())
+    text = "".join(seen)
+    assert returncode == 0, text
     assert "stopping after the current step" in text and "interrupted" in text
     written = int(re.search(r"events written (\d+)", text).group(1))
     engine = make_engine(db)

@@ -24,6 +24,7 @@ from predictor.features import schema_hash
 from predictor.metrics import precision_recall
 from predictor.mlp import GatePredictor
 from predictor.online import LearnerConfig
+from predictor.promotion import PromotionPolicy
 from predictor.training import TrainConfig, train_mlp
 from predictor.traces import WORKLOADS
 from predictor.warmstart import Dataset
@@ -88,7 +89,7 @@ def run_shift(data: Dataset, workload: str, folder: Path, others: int = 400, win
                 points.append((t.tokens, t.cycles))
 
         opts = ReplayServeOptions(batch_size=8, seed=seed, learn=learn, synchronous=True, sync_every=20,
-                                  progress_seconds=30.0, learner=LearnerConfig(seed=seed, promote_min_events=2000, window=4000))
+                                  progress_seconds=30.0, learner=LearnerConfig(seed=seed, window=4000, promotion=PromotionPolicy(min_events=2000)))
         result = serve_replay(make_engine(url), stream, opts, log=log, on_step=on_step)
         final = result.run.by_workload[workload]
         points.append((final.tokens, final.cycles))

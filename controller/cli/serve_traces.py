@@ -20,19 +20,13 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import Engine
 
-from controller.services.control_poller import ControlPoller
-from controller.core.decision import DecisionConfig
-from controller.services.event_writer import EventWriter
-from controller.services.learner_service import LearnerService
-from controller.engines.trace_engine import ReplayRun, run_replay
 from controller.core.runtime import Runtime
-from controller.services.stats_writer import StatsWriter
-from predictor.champion import load_gate
+from controller.engines.trace_engine import ReplayRun, run_replay
+from controller.services.stack import ServiceStack, decision_config
 from predictor.online import LearnerConfig
 from predictor.profiles import cost_profiles, drafter_profiles, pick
 from predictor.tokens import TraceTokenizer
 from predictor.traces import TraceRecord
-from storage.leader import make_leader_lock
 
 
 @dataclass
@@ -98,24 +92,15 @@ def serve_replay(engine: Engine, records: Sequence[TraceRecord], opts: ReplaySer
                  ) -> ServeResult:
     (drafter,) = pick(drafter_profiles(), [opts.drafter], "drafter")
     (cost,) = pick(cost_profiles(), [opts.cost_profile], "cost")
-    decision = DecisionConfig(cost=cost, model_draft_len=drafter.draft_len, initial_model_accepted=drafter.mean_accepted)
-    version_id, gate = load_gate(engine)
     tokenizer = TraceTokenizer()
-    stats = StatsWriter(engine, flush_interval=2.0)
-    runtime = Runtime(gate, tokenizer.classes, decision, version_id=version_id, stats_sink=stats)
-    writer = EventWriter(engine, runtime.events, stats=stats, keep_events=2_000_000, replica=opts.replica)
-    poller = ControlPoller(engine, runtime, interval=1.0)
-    learner = None
-    if opts.learn:
-        lock = None if opts.synchronous else make_leader_lock(engine, "learner", opts.replica)
-        learner = LearnerService(engine, decision, opts.learner, replica=opts.replica, lock=lock, start_at_end=True)
-    if not opts.synchronous:
-        writer.start()
-        poller.start()
-        if learner is not None:
-            learner.start()
+    stack = ServiceStack.build(engine, decision_config(drafter, cost), tokenizer.classes, replica=opts.replica,
+                               learn=opts.learn, learner=opts.learner, leader_lock=not opts.synchronous,
+                               stats_interval=2.0, poll_interval=1.0)
+    runtime, learner = stack.runtime, stack.learner
+    if opts.synchronous:
+        stack.poller.poll_once()
     else:
-        poller.poll_once()
+        stack.start()
 
     interrupted = False
 
@@ -137,7 +122,7 @@ def serve_replay(engine: Engine, records: Sequence[TraceRecord], opts: ReplaySer
         nonlocal last, steps
         steps += 1
         if opts.synchronous and steps % opts.sync_every == 0:
-            _sync_round(writer, learner, poller)
+            stack.sync_round()
         if on_step is not None:
             on_step(run, runtime)
         now = time.monotonic()
@@ -145,7 +130,7 @@ def serve_replay(engine: Engine, records: Sequence[TraceRecord], opts: ReplaySer
             last = now
             t = run.total()
             log(f"  {t.tokens} tokens, {t.cycles_per_1k:.1f} cycles/1k, cache {t.cache_cycles / max(t.cycles, 1):.0%} "
-                f"of cycles, predictor v{runtime.version_id}, events {runtime.events.accepted} "
+                f"of cycles, predictor v{runtime.version_id}, events {runtime.events.queued} "
                 f"(dropped {runtime.events.dropped}), learner {learner.stats.events if learner else 0} events / "
                 f"{len(learner.stats.promotions) if learner else 0} promotions")
 
@@ -157,19 +142,9 @@ def serve_replay(engine: Engine, records: Sequence[TraceRecord], opts: ReplaySer
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
         if opts.synchronous:
-            _sync_round(writer, learner, poller)
+            stack.sync_round()
         else:
-            if learner is not None:
-                learner.stop()
-            poller.stop()
-            writer.stop()
+            stack.stop()
     return ServeResult(run, learner.stats.promotions if learner else [], learner.stats.drifts if learner else [],
-                       writer.written, runtime.events.dropped + writer.dropped, interrupted, time.monotonic() - start)
-
-
-def _sync_round(writer: EventWriter, learner: LearnerService | None, poller: ControlPoller) -> None:
-    writer.drain_now()
-    if learner is not None:
-        while learner.run_once():
-            pass
-    poller.poll_once()
+                       stack.writer.written, runtime.events.dropped + stack.writer.dropped, interrupted,
+                       time.monotonic() - start)

@@ -52,7 +52,7 @@ class EventQueue:
         self._lock = threading.Lock()
         self.maxsize = maxsize
         self.dropped = 0
-        self.accepted = 0
+        self.queued = 0  # events put on the queue (not dropped) since it was made
 
     def put(self, event: LabelledEvent) -> bool:
         try:
@@ -62,7 +62,7 @@ class EventQueue:
                 self.dropped += 1
             return False
         with self._lock:
-            self.accepted += 1
+            self.queued += 1
         return True
 
     def get_batch(self, max_items: int) -> list[LabelledEvent]:

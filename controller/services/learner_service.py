@@ -9,7 +9,6 @@ A follower keeps trying for the lock, so a dead leader is replaced.
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -18,9 +17,11 @@ from sqlalchemy import Engine
 
 from controller.core.decision import DecisionConfig
 from controller.core.tau_tuner import TauTuner
+from controller.services.lifecycle import BackgroundService
 from predictor.champion import CHAMPION, load_gate
 from predictor.goodput import model_step_ms
 from predictor.online import LearnerConfig, OnlineLearner, batch_from_events
+from predictor.promotion import ShadowScore
 from predictor.traces import WORKLOADS
 from storage.engine import session_scope
 from storage.events import events_after, last_event_id
@@ -37,9 +38,16 @@ class LearnerStats:
     last_update: datetime | None = None
 
 
-class LearnerService:
+class LearnerService(BackgroundService):
+    """`lock` (storage.leader) gates the rounds of the thread: without one this replica always leads."""
+
+    name = "hvd-learner"
+    run_at_start = True
+
     def __init__(self, engine: Engine, decision: DecisionConfig, config: LearnerConfig | None = None,
-                 replica: str = "replica-0", lock=None, start_at_end: bool = True, batch_events: int = 2000) -> None:
+                 replica: str = "replica-0", lock=None, start_at_end: bool = True, batch_events: int = 2000,
+                 interval: float = 0.5) -> None:
+        super().__init__(interval, max_backoff=10.0)
         self.engine = engine
         self.decision = decision
         self.config = config or LearnerConfig()
@@ -48,8 +56,7 @@ class LearnerService:
         self.batch_events = batch_events
         self.tuner = TauTuner(decision)
         self.stats = LearnerStats()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._leading = lock is None
         self.champion_id, champion = load_gate(engine)
         self.learner = OnlineLearner(champion, self._goodput, self.config)
         if start_at_end:
@@ -72,7 +79,7 @@ class LearnerService:
         now = datetime.now(timezone.utc)
         if len(batch.label):
             self.tuner.observe_cache(batch, self.learner.champion.predict(batch.features))
-            result = self.learner.learn(batch)
+            result = self.learner.learn_many(batch)
             self.stats.updates += result.updates
             self.stats.last_update = now
             with session_scope(self.engine) as s:
@@ -85,8 +92,9 @@ class LearnerService:
                     add_tau_history(s, at=now, workload=c.workload, tau=c.tau, rule_tau=c.rule_tau,
                                     correction=c.correction, model_mean_accepted=c.mu_e, reason=c.reason,
                                     replica=self.replica)
-            if result.promote is not None:
-                self._promote(result.promote)
+            score = self.learner.shadow.score()
+            if self.config.promotion.earned(score, self.learner.since_promotion):
+                self._promote(score)
         self.stats.events += len(rows)
         return len(rows)
 
@@ -95,7 +103,7 @@ class LearnerService:
         with session_scope(self.engine) as s:
             self.stats.cursor = last_event_id(s)
 
-    def _promote(self, score) -> None:
+    def _promote(self, score: ShadowScore) -> None:
         challenger = self.learner.challenger()
         with session_scope(self.engine) as s:
             version = create_version(
@@ -133,28 +141,21 @@ class LearnerService:
         return tokens, ms
 
     # ---------------------------------------------------------------- the thread
-    def start(self, interval: float = 0.5) -> "LearnerService":
-        def loop() -> None:
-            was_leading = self.lock is None
-            while not self._stop.is_set():
-                leading = self.lock is None or self.lock.is_leader or self.lock.try_acquire()
-                if leading and self.lock is not None:
-                    self.lock.renew()
-                if leading and not was_leading:
-                    self._take_over()
-                was_leading = leading
-                read = self.run_once() if leading else 0
-                if read < self.batch_events:
-                    self._stop.wait(interval)
+    def round(self) -> float:
+        """Lead if the lock allows (a new leader starts at the end of the events), then learn; no
+        pause while a full batch of events is waiting."""
+        leading = self.lock is None or self.lock.is_leader or self.lock.try_acquire()
+        if leading and self.lock is not None:
+            self.lock.renew()
+        if leading and not self._leading:
+            self._take_over()
+        self._leading = leading
+        read = self.run_once() if leading else 0
+        self.succeeded()
+        return 0.0 if read >= self.batch_events else self.interval
 
-        self._thread = threading.Thread(target=loop, name="hvd-learner", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 30.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+    def stop(self, timeout: float = 30.0) -> bool:
+        ok = super().stop(timeout)
         if self.lock is not None:
             self.lock.release()
-
+        return ok

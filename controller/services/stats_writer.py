@@ -5,8 +5,7 @@ every `flush_interval` seconds with one additive upsert (storage.stats.upsert_bu
 database refuses, the pending deltas are kept (at most `max_pending_keys` keys; beyond that the
 oldest keys are dropped and counted in `dropped_keys`) and retried with exponential backoff.
 
-It can run its own thread (`start`/`stop`), or be driven by another writer thread through
-`maybe_flush()` / `flush()` (controller.services.event_writer.EventWriter does that).
+Producers (the event writer, the runtime's step counts) only add; this service alone writes.
 """
 from __future__ import annotations
 
@@ -17,33 +16,28 @@ from collections.abc import Iterable
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
+from controller.services.lifecycle import BackgroundService
 from storage.engine import session_scope
 from storage.stats import (BUCKET_SECONDS, BucketDelta, BucketKey, EventLike, add_dropped, add_steps,
                            aggregate_into, merge_deltas, upsert_buckets)
 
 
-class StatsWriter:
+class StatsWriter(BackgroundService):
+    name = "hvd-stats-writer"
+
     def __init__(self, engine: Engine, flush_interval: float = 5.0, max_pending_keys: int = 100_000,
                  bucket_seconds: int = BUCKET_SECONDS, max_backoff: float = 30.0) -> None:
         if max_pending_keys < 1:
             raise ValueError(f"max_pending_keys must be >= 1, got {max_pending_keys}")
+        super().__init__(flush_interval, max_backoff)
         self.engine = engine  # swappable (e.g. after a failover)
-        self.flush_interval = flush_interval
         self.max_pending_keys = max_pending_keys
         self.bucket_seconds = bucket_seconds
-        self.max_backoff = max_backoff
         self.flushes = 0  # successful flushes that wrote something
         self.written_keys = 0
         self.dropped_keys = 0
-        self.failures = 0
-        self.last_error: str | None = None
         self._pending: dict[BucketKey, BucketDelta] = {}
         self._lock = threading.Lock()  # guards _pending and the counters above
-        self._flush_lock = threading.Lock()  # one flush at a time
-        self._backoff = flush_interval
-        self._next_flush = time.monotonic() + flush_interval
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     # --- producers (any thread) ---------------------------------------------------------------
 
@@ -83,7 +77,7 @@ class StatsWriter:
 
     def flush(self) -> bool:
         """Write all pending deltas now; False (deltas kept) if the database refused."""
-        with self._flush_lock:
+        with self._round_lock:
             with self._lock:
                 batch, self._pending = self._pending, {}
             if not batch:
@@ -96,46 +90,24 @@ class StatsWriter:
                     # The failed batch is older than anything added meanwhile: put it first.
                     self._pending = merge_deltas(batch, self._pending)
                     self._bound()
-                    self.failures += 1
-                    self.last_error = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                self._next_flush = time.monotonic() + self._backoff
-                self._backoff = min(self._backoff * 2, self.max_backoff)
+                    self.failed(exc)
                 return False
             with self._lock:
                 self.flushes += 1
                 self.written_keys += len(batch)
-            self._backoff = self.flush_interval
-            self._next_flush = time.monotonic() + self.flush_interval
+            self.succeeded()
             return True
 
-    def maybe_flush(self) -> bool | None:
-        """Flush if the interval (or, after a failure, the backoff) has elapsed; None if not due."""
-        if time.monotonic() < self._next_flush:
-            return None
-        return self.flush()
-
-    # --- own thread (optional) -------------------------------------------------------------
-
-    def start(self) -> "StatsWriter":
-        self._thread = threading.Thread(target=self._run, name="hvd-stats-writer", daemon=True)
-        self._thread.start()
-        return self
+    def round(self) -> float:
+        return self.interval if self.flush() else self.retry.failed()
 
     def stop(self, timeout: float = 30.0, attempts: int = 3) -> bool:
         """Stop the thread (if any) and drain: a final flush, retried up to `attempts` times.
         True if nothing is left pending."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
-        for i in range(attempts):
+        if super().stop(timeout):
+            return True
+        for _ in range(attempts - 1):
+            time.sleep(min(self.interval, 0.5))
             if self.flush():
                 return True
-            if i + 1 < attempts:
-                time.sleep(min(self.flush_interval, 0.5))
         return False
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.maybe_flush()
-            self._stop.wait(max(0.0, min(self._next_flush - time.monotonic(), self.flush_interval)) or 0.01)

@@ -1,0 +1,119 @@
+"""The one lifecycle every background service shares (event writer, statistics writer, control
+poller, learner): a daemon thread that runs `round()` and sleeps for the delay it returns;
+`flush()` does the pending work now in the caller's thread; `stop()` ends the thread, then
+flushes once more; `health()` says how it is doing. One retry policy (`Backoff`) paces every
+retry after a failed write or read.
+
+A service stops only itself: whoever wires several of them stops them in order (ServiceStack).
+Rounds hold one lock (`_round_lock`), and so must a subclass's `flush()`: a flush from another
+thread then never interleaves with a round.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger("hvd.services")
+
+
+@dataclass
+class Backoff:
+    """Exponential backoff: each failure waits twice as long as the last, up to `maximum`; a
+    success goes back to `initial`."""
+
+    initial: float
+    maximum: float
+
+    def __post_init__(self) -> None:
+        self.current = self.initial
+
+    def failed(self) -> float:
+        """The delay before the retry of what just failed."""
+        delay = self.current
+        self.current = min(self.current * 2, self.maximum)
+        return delay
+
+    def succeeded(self) -> None:
+        self.current = self.initial
+
+
+@dataclass(frozen=True)
+class Health:
+    name: str
+    running: bool
+    failures: int
+    last_error: str | None
+    last_success: float | None  # unix time
+
+
+def first_line(exc: BaseException) -> str:
+    msg = str(exc).strip()
+    return msg.splitlines()[0] if msg else type(exc).__name__
+
+
+class BackgroundService:
+    """Subclasses implement `round()` (one unit of work; returns the seconds until the next) and,
+    if stopping must leave nothing behind, `flush()`."""
+
+    name = "hvd-service"
+    run_at_start = False  # True: the first round runs as soon as the thread starts
+
+    def __init__(self, interval: float, max_backoff: float) -> None:
+        self.interval = interval
+        self.retry = Backoff(interval, max_backoff)
+        self.failures = 0
+        self.last_error: str | None = None
+        self.last_success: float | None = None
+        self._round_lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def round(self) -> float:
+        raise NotImplementedError
+
+    def flush(self) -> bool:
+        """Do what is pending now; True if nothing is left."""
+        return True
+
+    def start(self):
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> bool:
+        """End the thread (it finishes its round), then flush: True if nothing is left pending."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        with self._round_lock:
+            return self.flush()
+
+    def health(self) -> Health:
+        return Health(self.name, self._thread is not None and self._thread.is_alive(), self.failures,
+                      self.last_error, self.last_success)
+
+    def failed(self, exc: BaseException) -> None:
+        """Count a failure (the round that saw it returns `self.retry.failed()`)."""
+        self.failures += 1
+        self.last_error = first_line(exc)
+
+    def succeeded(self) -> float:
+        """Note a success; the delay before the next round."""
+        self.retry.succeeded()
+        self.last_success = time.time()
+        return self.interval
+
+    def _loop(self) -> None:
+        delay = 0.0 if self.run_at_start else self.interval
+        while not self._stop.wait(delay):
+            with self._round_lock:
+                try:
+                    delay = self.round()
+                except Exception as exc:  # a round must not end the service: log, back off, retry
+                    log.exception("%s: round failed", self.name)
+                    self.failed(exc)
+                    delay = self.retry.failed()

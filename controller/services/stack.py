@@ -1,0 +1,98 @@
+"""The one wiring of the self-tuning service next to any engine (vLLM plugin, trace replay): the
+runtime the engine calls, and around it the event writer, the statistics writer, the control
+poller and the leader-gated learner.
+
+The services start in dependency order and stop in reverse (the learner and the poller first, then
+the event writer, which hands its last events to the statistics writer, which stops last), so
+everything queued is written. `synchronous=True` starts no threads: the caller runs `sync_round()`
+between steps, and a run is then a deterministic function of its inputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import Engine
+
+from controller.core.decision import DecisionConfig
+from controller.core.runtime import Runtime
+from controller.services.control_poller import ControlPoller
+from controller.services.event_writer import EventWriter
+from controller.services.learner_service import LearnerService
+from controller.services.lifecycle import Health
+from controller.services.stats_writer import StatsWriter
+from predictor.cache_drafter import SuffixConfig
+from predictor.champion import load_gate
+from predictor.online import LearnerConfig
+from predictor.profiles import CostProfile, DrafterProfile, chain_mean
+from predictor.tokens import TokenClasses
+from predictor.traces import WORKLOADS
+from storage.leader import make_leader_lock
+
+KEEP_EVENTS = 2_000_000  # retention limit of the raw decision events
+
+
+def decision_config(drafter: DrafterProfile, cost: CostProfile, model_draft_len: int | None = None,
+                    **options) -> DecisionConfig:
+    """The decision rule's configuration, with the one choice of priors for the model drafter: the
+    profile's chain mean at the draft length used (`model_draft_len`, else the profile's), overall
+    and per workload."""
+    k_e = model_draft_len or drafter.draft_len
+    return DecisionConfig(
+        model_draft_len=k_e, cost=cost, initial_model_accepted=chain_mean(drafter.acceptance, k_e),
+        initial_model_accepted_by_workload={w: chain_mean(drafter.acceptance_for(w), k_e) for w in WORKLOADS},
+        **options)
+
+
+@dataclass
+class ServiceStack:
+    runtime: Runtime
+    stats: StatsWriter
+    writer: EventWriter
+    poller: ControlPoller
+    learner: LearnerService | None
+
+    @classmethod
+    def build(cls, engine: Engine, decision: DecisionConfig, token_classes: TokenClasses, *, replica: str,
+              learn: bool = True, learner: LearnerConfig | None = None, leader_lock: bool = True,
+              suffix: SuffixConfig | None = None, stats_interval: float = 5.0,
+              poll_interval: float = 2.0) -> "ServiceStack":
+        """Everything around one runtime, on the current champion. `leader_lock=False`: this
+        replica learns without asking (one process, synchronous runs)."""
+        version_id, gate = load_gate(engine)
+        stats = StatsWriter(engine, flush_interval=stats_interval)
+        runtime = Runtime(gate, token_classes, decision, version_id=version_id, suffix=suffix, stats_sink=stats)
+        writer = EventWriter(engine, runtime.events, stats=stats, keep_events=KEEP_EVENTS, replica=replica)
+        poller = ControlPoller(engine, runtime, interval=poll_interval)
+        service = None
+        if learn:
+            lock = make_leader_lock(engine, "learner", replica) if leader_lock else None
+            service = LearnerService(engine, decision, learner, replica=replica, lock=lock, start_at_end=True)
+        return cls(runtime, stats, writer, poller, service)
+
+    def services(self) -> list:
+        """In start order."""
+        return [s for s in (self.stats, self.writer, self.poller, self.learner) if s is not None]
+
+    def start(self) -> "ServiceStack":
+        for s in self.services():
+            s.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> bool:
+        """Stop every service, last started first; True if everything pending was written."""
+        return all([s.stop(timeout) for s in reversed(self.services())])
+
+    def flush(self) -> bool:
+        """Write every queued event and statistic now."""
+        return all([self.writer.flush(), self.stats.flush()])
+
+    def sync_round(self) -> None:
+        """Without threads: write what is queued, learn from all of it, refresh the controls."""
+        self.flush()
+        if self.learner is not None:
+            while self.learner.run_once():
+                pass
+        self.poller.poll_once()
+
+    def health(self) -> list[Health]:
+        return [s.health() for s in self.services()]
