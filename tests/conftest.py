@@ -1,5 +1,6 @@
 """Database fixtures shared by the storage tests: every test runs on SQLite and on the real
-PostgreSQL server, each PostgreSQL test in a throwaway schema."""
+PostgreSQL server, each PostgreSQL test in a throwaway schema. And the markers that let
+`make test-fast` leave out what needs vLLM, the PostgreSQL server or Chromium."""
 from __future__ import annotations
 
 import os
@@ -11,6 +12,12 @@ import pytest
 from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.exc import OperationalError
 
+# Test files (or file::test) that need each heavy dependency; db_url's postgresql param adds `postgres`.
+MARKED = {
+    "vllm": ("test_vllm_plugin.py", "test_vllm_server.py", "test_eagle3_training.py::test_tiny_pipeline_end_to_end"),
+    "postgres": ("test_replicas.py",),
+    "browser": ("test_dashboard_browser.py",),
+}
 PG_URL = os.environ.get("HVD_TEST_POSTGRES_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
 
 
@@ -43,6 +50,16 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         yield f"sqlite:///{tmp_path / 'hvd.db'}"
     else:
         yield from postgres_schema_url()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        name = f"{item.path.name}::{item.name}"
+        for marker, prefixes in MARKED.items():
+            if name.startswith(prefixes):
+                item.add_marker(marker)
+        if getattr(item, "callspec", None) and item.callspec.params.get("db_url") == "postgresql":
+            item.add_marker("postgres")
 
 
 @pytest.fixture(autouse=True)

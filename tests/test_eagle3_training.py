@@ -16,7 +16,7 @@ from eagle3_training.generate import Sample, read_samples
 from eagle3_training.hidden_states import HiddenStateReader, training_row
 from eagle3_training.pipeline import PipelineConfig, run
 from predictor.traces import bundled_traces_path, load_traces
-from controller import vllm_engine as ve
+from controller.engines import vllm_engine as ve
 
 
 @pytest.fixture(scope="module")
