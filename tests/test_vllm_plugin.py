@@ -76,6 +76,7 @@ def _spec_counters(llm: LLM) -> dict[str, object]:
 def hybrid_run(prompts, plain_outputs, database):
     os.environ[vllm_plugin.ENV_ENABLE] = "1"
     os.environ["HVD_DATABASE_URL"] = database
+    vllm_plugin.register()  # vLLM registered its plugins for the plain engine, while HVD_HYBRID was unset
     llm = LLM(**ve.engine_kwargs(ve.MODEL_FP32, "float32"), speculative_config=ve.speculative_config("hvd"))
     try:
         extra = [{"hvd_tenant": f"tenant-{i % 2}", "hvd_workload": w} for i, (w, _) in enumerate(prompts)]

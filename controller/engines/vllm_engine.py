@@ -79,9 +79,16 @@ def method_env(method: str) -> dict[str, str | None]:
 
 
 def apply_method_env(method: str) -> None:
-    for name, value in method_env(method).items():
+    """Set the method's environment. vLLM registers its plugins once per process, so a hybrid asked
+    for after an engine without HVD_HYBRID also needs the plugin registered here."""
+    env = method_env(method)
+    for name, value in env.items():
         if value is None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+    if env["HVD_HYBRID"]:
+        from controller.engines import vllm_plugin
+
+        vllm_plugin.register()
 

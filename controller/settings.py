@@ -1,0 +1,177 @@
+"""Every HVD_* environment variable in one table (name, parser, default, one line of doc), read
+through one parser, as vLLM's `envs.py` keeps its own.
+
+Values are checked where they are read: a bad value raises `SettingsError` naming the variable and
+what it accepts, before any engine state is built. An unset or empty variable takes its default.
+The README's settings list is checked against this table by a test. Two variables are read below
+the controller, which cannot import it (`HVD_TOKENIZER` in predictor/tokens.py, `HVD_ADMIN_TOKEN`
+in the dashboard); they are listed here so the table stays the one list of what can be set.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+class SettingsError(ValueError):
+    """A setting (environment or engine configuration) that HVD cannot run with."""
+
+
+def parse_flag(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in TRUE:
+        return True
+    if value in FALSE:
+        return False
+    raise ValueError(f"one of {TRUE + FALSE}")
+
+
+def positive_int(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError("an integer >= 1") from None
+    if value < 1:
+        raise ValueError("an integer >= 1")
+    return value
+
+
+def number(raw: str) -> float:
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError("a number") from None
+
+
+def text(raw: str) -> str:
+    return raw
+
+
+def one_of(allowed: Callable[[], tuple[str, ...]]) -> Callable[[str], str]:
+    """A parser accepting the names `allowed()` returns (looked up when a value is read)."""
+
+    def parse(raw: str) -> str:
+        names = allowed()
+        if raw not in names:
+            raise ValueError(f"one of {names}")
+        return raw
+
+    return parse
+
+
+def _workloads() -> tuple[str, ...]:
+    from predictor.traces import WORKLOADS
+
+    return tuple(WORKLOADS)
+
+
+def _rules() -> tuple[str, ...]:
+    from controller.core.decision import RULES
+
+    return RULES
+
+
+def _backoffs() -> tuple[str, ...]:
+    from controller.core.decision import BACKOFFS
+
+    return BACKOFFS
+
+
+def _fallbacks() -> tuple[str, ...]:
+    from controller.core.decision import FALLBACKS
+
+    return FALLBACKS
+
+
+def _cost_profiles() -> tuple[str, ...]:
+    from predictor.profiles import cost_profiles
+
+    return tuple(cost_profiles())
+
+
+def _drafter_profiles() -> tuple[str, ...]:
+    from predictor.profiles import drafter_profiles
+
+    return tuple(drafter_profiles())
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+
+
+SETTINGS: dict[str, Setting] = {s.name: s for s in (
+    Setting("HVD_HYBRID", parse_flag, False, "the vLLM plugin on (off: it imports and patches nothing)"),
+    Setting("HVD_DATABASE_URL", text, None, "SQLAlchemy URL of the database (default sqlite:///var/hvd.db)"),
+    Setting("HVD_FALLBACK", one_of(_fallbacks), None, "model | none; default from the speculative method"),
+    Setting("HVD_MODEL_DRAFT_LEN", positive_int, 3, "tokens per EAGLE3 draft (at most the method's K)"),
+    Setting("HVD_COST_PROFILE", one_of(_cost_profiles), "cpu-smollm2", "step-cost profile of the goodput rule"),
+    Setting("HVD_DRAFTER_PROFILE", one_of(_drafter_profiles), "eagle3-smollm2",
+            "model-drafter profile: the prior of its live per-workload acceptance"),
+    Setting("HVD_MAX_RUNNING", positive_int, None, "back off speculation above this many running requests"),
+    Setting("HVD_BACKOFF", one_of(_backoffs), "none", "what backing off means: no speculation, or cache drafts only"),
+    Setting("HVD_FIXED_TAU", number, None, "a fixed tau instead of the goodput rule"),
+    Setting("HVD_RULE", one_of(_rules), "gate", "gate: HVD; arctic: ArcticInference's score rule (the baseline)"),
+    Setting("HVD_EAGLE_WARM", parse_flag, False, "EAGLE drafts one token even in steps without a model draft"),
+    Setting("HVD_DEFAULT_WORKLOAD", one_of(_workloads), "chat", "workload of requests that name none"),
+    Setting("HVD_DEFAULT_TENANT", text, "default", "tenant of requests that name none"),
+    Setting("HVD_LEARN", parse_flag, True, "the replica holding the learner lock learns online"),
+    Setting("HVD_TOKENIZER", text, None, "tokenizer.json (or its folder) of the trace tokenizer"),
+    Setting("HVD_ADMIN_TOKEN", text, None, "the dashboard's admin token (edits are refused without it)"),
+)}
+
+
+def read(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """The parsed value of one setting, or its default when unset or empty."""
+    setting = SETTINGS[name]
+    raw = (os.environ if environ is None else environ).get(name)
+    if raw is None or raw.strip() == "":
+        return setting.default
+    try:
+        return setting.parse(raw)
+    except ValueError as exc:
+        raise SettingsError(f"{name}={raw!r} is not valid: expected {exc}") from None
+
+
+@dataclass(frozen=True)
+class ServingSettings:
+    """What the vLLM plugin runs with: the table's serving rows, each field named for its variable
+    (`model_draft_len` is HVD_MODEL_DRAFT_LEN)."""
+
+    database_url: str | None
+    fallback: str | None
+    model_draft_len: int
+    cost_profile: str
+    drafter_profile: str
+    max_running: int | None
+    backoff: str
+    fixed_tau: float | None
+    rule: str
+    eagle_warm: bool
+    default_workload: str
+    default_tenant: str
+    learn: bool
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "ServingSettings":
+        return cls(**{f.name: read(f"HVD_{f.name.upper()}", environ) for f in fields(cls)})
+
+
+def markdown() -> str:
+    """The table as a Markdown list (`python -m controller.settings`), for the README."""
+
+    def shown(value: Any) -> str:
+        return "unset" if value is None else str(int(value)) if isinstance(value, bool) else str(value)
+
+    return "\n".join(f"- `{s.name}` ({shown(s.default)}): {s.doc}" for s in SETTINGS.values())
+
+
+if __name__ == "__main__":
+    print(markdown())

@@ -1,0 +1,62 @@
+"""The settings table: one parser, every bad value named with what is allowed, defaults as
+documented, and the README listing exactly the variables the table has."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from controller.settings import SETTINGS, ServingSettings, SettingsError, markdown, read
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = re.compile(r"\bHVD_[A-Z0-9_]+\b")
+
+
+def test_defaults():
+    s = ServingSettings.from_env({})
+    assert s == ServingSettings(
+        database_url=None, fallback=None, model_draft_len=3, cost_profile="cpu-smollm2",
+        drafter_profile="eagle3-smollm2", max_running=None, backoff="none", fixed_tau=None, rule="gate",
+        eagle_warm=False, default_workload="chat", default_tenant="default", learn=True)
+
+
+def test_values_are_parsed():
+    env = {"HVD_MODEL_DRAFT_LEN": "5", "HVD_MAX_RUNNING": "4", "HVD_BACKOFF": "cache_only", "HVD_FIXED_TAU": "2.5",
+           "HVD_RULE": "arctic", "HVD_EAGLE_WARM": "on", "HVD_LEARN": "0", "HVD_FALLBACK": "none",
+           "HVD_DEFAULT_WORKLOAD": "sql", "HVD_DATABASE_URL": "", "HVD_COST_PROFILE": "gpu-8b"}
+    s = ServingSettings.from_env(env)
+    assert (s.model_draft_len, s.max_running, s.backoff, s.fixed_tau, s.rule, s.eagle_warm, s.learn, s.fallback,
+            s.default_workload, s.database_url, s.cost_profile) == \
+        (5, 4, "cache_only", 2.5, "arctic", True, False, "none", "sql", None, "gpu-8b")
+
+
+@pytest.mark.parametrize("name, raw, allowed", [
+    ("HVD_MODEL_DRAFT_LEN", "three", "an integer >= 1"),
+    ("HVD_MAX_RUNNING", "0", "an integer >= 1"),
+    ("HVD_FIXED_TAU", "high", "a number"),
+    ("HVD_BACKOFF", "pause", "one of ('none', 'cache_only')"),
+    ("HVD_RULE", "oracle", "one of ('gate', 'arctic')"),
+    ("HVD_FALLBACK", "eagle", "one of ('model', 'none')"),
+    ("HVD_DEFAULT_WORKLOAD", "mail", "one of ('agentic', 'code_edit', 'coding', 'sql', 'chat')"),
+    ("HVD_LEARN", "sometimes", "one of ('1', 'true', 'yes', 'on', '0', 'false', 'no', 'off')"),
+    ("HVD_COST_PROFILE", "tpu", "one of ("),
+])
+def test_a_bad_value_names_the_variable_and_what_it_accepts(name, raw, allowed):
+    with pytest.raises(SettingsError) as info:
+        read(name, {name: raw})
+    assert str(info.value).startswith(f"{name}={raw!r} is not valid: expected {allowed}")
+
+
+def test_readme_lists_exactly_the_table():
+    readme = (ROOT / "README.md").read_text()
+    assert markdown() in readme  # the list, defaults and docs as the table has them
+    assert set(NAME.findall(readme)) == set(SETTINGS)  # and no variable the table lacks
+
+
+def test_every_variable_the_code_reads_is_in_the_table():
+    used = set()
+    for folder in ("controller", "predictor", "storage", "dashboard", "eagle3_training", "bench", "tools"):
+        for path in (ROOT / folder).rglob("*.py"):
+            used |= set(NAME.findall(path.read_text()))
+    assert used == set(SETTINGS)
