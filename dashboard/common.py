@@ -74,6 +74,13 @@ class Admin:
     name: str
     why_not: str
 
+    @property
+    def refusal(self) -> str:
+        """Why an edit is refused, or "" when it may go ahead."""
+        if not self.can_edit:
+            return self.why_not
+        return "" if self.name else "Enter your admin name in the sidebar: every change records who made it."
+
 
 def admin_sidebar() -> Admin:
     """Sidebar inputs for the admin token and name; edits are allowed only with the right token."""

@@ -186,6 +186,11 @@ def test_missing_or_wrong_token_refuses_edits(db, monkeypatch):
     assert all(b.disabled for b in at.button)
     at = login(page("versions"), token="wrong")
     assert all(b.disabled for b in at.button)
+    at = login(page("thresholds"), name="")  # the right token, but no name to record
+    at.text_input(key="set_tenant").input("tenant-anon")
+    at.text_input(key="set_reason").input("who?")
+    at.button[0].click()
+    assert any("admin name" in e.value for e in run(at).error)
     assert _override_count(db) == before
 
 

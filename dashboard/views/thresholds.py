@@ -65,10 +65,8 @@ with st.form("set_override"):
     reason = st.text_input("Reason", key="set_reason", disabled=disabled)
     submitted = st.form_submit_button("Set override", disabled=disabled)
 if submitted:
-    if not admin.can_edit:
-        st.error(admin.why_not)
-    elif not admin.name:
-        st.error("Enter your admin name in the sidebar: every change records who made it.")
+    if admin.refusal:
+        st.error(admin.refusal)
     else:
         now = utcnow()
         spec = OverrideSpec(
@@ -94,10 +92,8 @@ with st.form("clear_override"):
     c_reason = c[2].text_input("Reason", key="clear_reason", disabled=disabled)
     cleared = st.form_submit_button("Clear override", disabled=disabled)
 if cleared:
-    if not admin.can_edit:
-        st.error(admin.why_not)
-    elif not admin.name:
-        st.error("Enter your admin name in the sidebar: every change records who made it.")
+    if admin.refusal:
+        st.error(admin.refusal)
     else:
         try:
             with session_scope(engine) as s:

@@ -49,10 +49,8 @@ rollback = c[1].button("Roll back champion", disabled=disabled or champ_parent i
 
 
 def move(to_version: int, why: str) -> None:
-    if not admin.can_edit:
-        st.error(admin.why_not)
-    elif not admin.name:
-        st.error("Enter your admin name in the sidebar: every change records who made it.")
+    if admin.refusal:
+        st.error(admin.refusal)
     elif not reason.strip():
         st.error("A reason is required; nothing changed.")
     else:
