@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from controller.cli import overrides as cli_overrides
+from controller.core.decision import BACKOFFS, FALLBACKS
 
 DESCRIPTION = """Hybrid Verified Decoding: a learned gate that decides, per decoding step, whether to verify
 the suffix cache's draft or fall back to a model drafter.
@@ -57,11 +58,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="vllm: the real model; replay: the bundled (or --traces) traces as the target model")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--fallback", choices=["model", "none"], default="model",
+    sv.add_argument("--fallback", choices=FALLBACKS, default="model",
                     help="what a step does when the cache draft is not verified (default: the EAGLE3 head)")
     sv.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     sv.add_argument("--max-running", type=int, help="back off from speculation above this many running requests")
-    sv.add_argument("--backoff", choices=["none", "cache_only"], default="none",
+    sv.add_argument("--backoff", choices=BACKOFFS, default="none",
                     help="what back-off means: no speculation, or cache drafts only")
     rp = sv.add_argument_group("replay engine")
     rp.add_argument("--traces", nargs="+", metavar="PATH", help="traces to serve (default: the bundled set)")
