@@ -88,8 +88,9 @@ def run_shift(data: Dataset, workload: str, folder: Path, others: int = 400, win
             if t is not None and (not points or t.tokens - points[-1][0] >= window_tokens // 4):
                 points.append((t.tokens, t.cycles))
 
+        learner = LearnerConfig(seed=seed, window=4000, promotion=PromotionPolicy(min_events=2000))
         opts = ReplayServeOptions(batch_size=8, seed=seed, learn=learn, synchronous=True, sync_every=20,
-                                  progress_seconds=30.0, learner=LearnerConfig(seed=seed, window=4000, promotion=PromotionPolicy(min_events=2000)))
+                                  progress_seconds=30.0, learner=learner)
         result = serve_replay(make_engine(url), stream, opts, log=log, on_step=on_step)
         final = result.run.by_workload[workload]
         points.append((final.tokens, final.cycles))
