@@ -94,7 +94,7 @@ def serve_replay(engine: Engine, records: Sequence[TraceRecord], opts: ReplaySer
     (cost,) = pick(cost_profiles(), [opts.cost_profile], "cost")
     tokenizer = TraceTokenizer()
     stack = ServiceStack.build(engine, decision_config(drafter, cost), tokenizer.classes, replica=opts.replica,
-                               learn=opts.learn, learner=opts.learner, leader_lock=not opts.synchronous,
+                               learn=opts.learn, learner_config=opts.learner, leader_lock=not opts.synchronous,
                                stats_interval=2.0, poll_interval=1.0)
     runtime, learner = stack.runtime, stack.learner
     if opts.synchronous:

@@ -53,7 +53,7 @@ class ServiceStack:
 
     @classmethod
     def build(cls, engine: Engine, decision: DecisionConfig, token_classes: TokenClasses, *, replica: str,
-              learn: bool = True, learner: LearnerConfig | None = None, leader_lock: bool = True,
+              learn: bool = True, learner_config: LearnerConfig | None = None, leader_lock: bool = True,
               suffix: SuffixConfig | None = None, stats_interval: float = 5.0,
               poll_interval: float = 2.0) -> "ServiceStack":
         """Everything around one runtime, on the current champion. `leader_lock=False`: this
@@ -66,7 +66,7 @@ class ServiceStack:
         service = None
         if learn:
             lock = make_leader_lock(engine, "learner", replica) if leader_lock else None
-            service = LearnerService(engine, decision, learner, replica=replica, lock=lock, start_at_end=True)
+            service = LearnerService(engine, decision, learner_config, replica=replica, lock=lock, start_at_end=True)
         return cls(runtime, stats, writer, poller, service)
 
     def services(self) -> list:
