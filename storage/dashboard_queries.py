@@ -87,57 +87,55 @@ def _path_row(tokens: int, cycles: int, cache_verified: int, model_drafts: int) 
     }
 
 
-_PATH_SUMS = (
-    func.coalesce(func.sum(StatBucket.tokens), 0),
-    func.coalesce(func.sum(StatBucket.cycles), 0),
-    func.coalesce(func.sum(StatBucket.cache_verified), 0),
-    func.coalesce(func.sum(StatBucket.model_drafts), 0),
-)
+def _sums(*columns) -> tuple:
+    return tuple(func.coalesce(func.sum(c), 0) for c in columns)
+
+
+def _totals(session: Session, sums: tuple, tenant: str | None, workload: str | None) -> list[int]:
+    return [int(v) for v in session.execute(_filters(select(*sums), tenant, workload)).one()]
+
+
+def _grouped(session: Session, key, sums: tuple, tenant: str | None = None,
+             workload: str | None = None) -> list[tuple[Any, list[int]]]:
+    """(value of `key`, its sums) in `key` order."""
+    stmt = _filters(select(key, *sums), tenant, workload).group_by(key).order_by(key)
+    return [(k, [int(v) for v in vals]) for k, *vals in session.execute(stmt)]
+
+
+_PATH_SUMS = _sums(StatBucket.tokens, StatBucket.cycles, StatBucket.cache_verified, StatBucket.model_drafts)
 
 
 def overview_totals(session: Session, tenant: str | None = None, workload: str | None = None) -> dict[str, Any]:
     """Totals over all buckets (optionally one tenant/workload)."""
-    row = session.execute(_filters(select(*_PATH_SUMS), tenant, workload)).one()
-    return _path_row(*(int(v) for v in row))
+    return _path_row(*_totals(session, _PATH_SUMS, tenant, workload))
 
 
 def overview_by_bucket(session: Session, tenant: str | None = None, workload: str | None = None) -> list[dict[str, Any]]:
     """Per time bucket: tokens per cycle, cycles per 1000 tokens by decision path, speedup."""
-    stmt = _filters(select(StatBucket.bucket_start, *_PATH_SUMS), tenant, workload)
-    stmt = stmt.group_by(StatBucket.bucket_start).order_by(StatBucket.bucket_start)
-    out = []
-    for start, *sums in session.execute(stmt):
-        out.append({"bucket_start": start, **_path_row(*(int(v) for v in sums))})
-    return out
+    return [{"bucket_start": start, **_path_row(*sums)}
+            for start, sums in _grouped(session, StatBucket.bucket_start, _PATH_SUMS, tenant, workload)]
 
 
 def _quality(tp: int, fp: int, fn: int) -> dict[str, Any]:
     return {"tp": tp, "fp": fp, "fn": fn, "precision": _ratio(tp, tp + fp), "recall": _ratio(tp, tp + fn)}
 
 
-_CONF_SUMS = (
-    func.coalesce(func.sum(StatBucket.tp), 0),
-    func.coalesce(func.sum(StatBucket.fp), 0),
-    func.coalesce(func.sum(StatBucket.fn), 0),
-)
+_CONF_SUMS = _sums(StatBucket.tp, StatBucket.fp, StatBucket.fn)
 
 
 def quality_totals(session: Session, tenant: str | None = None, workload: str | None = None) -> dict[str, Any]:
-    row = session.execute(_filters(select(*_CONF_SUMS), tenant, workload)).one()
-    return _quality(*(int(v) for v in row))
+    return _quality(*_totals(session, _CONF_SUMS, tenant, workload))
 
 
 def quality_by_bucket(session: Session, tenant: str | None = None, workload: str | None = None) -> list[dict[str, Any]]:
     """Precision/recall of "verify the cache draft" at accepted length >= LONG, per time bucket."""
-    stmt = _filters(select(StatBucket.bucket_start, *_CONF_SUMS), tenant, workload)
-    stmt = stmt.group_by(StatBucket.bucket_start).order_by(StatBucket.bucket_start)
-    return [{"bucket_start": s, **_quality(int(a), int(b), int(c))} for s, a, b, c in session.execute(stmt)]
+    return [{"bucket_start": start, **_quality(*sums)}
+            for start, sums in _grouped(session, StatBucket.bucket_start, _CONF_SUMS, tenant, workload)]
 
 
 def quality_by_version(session: Session) -> list[dict[str, Any]]:
-    stmt = (select(StatBucket.predictor_version_id, *_CONF_SUMS)
-            .group_by(StatBucket.predictor_version_id).order_by(StatBucket.predictor_version_id))
-    return [{"version": int(v), **_quality(int(a), int(b), int(c))} for v, a, b, c in session.execute(stmt)]
+    return [{"version": int(v), **_quality(*sums)}
+            for v, sums in _grouped(session, StatBucket.predictor_version_id, _CONF_SUMS)]
 
 
 def accepted_histograms(session: Session, tenant: str | None = None, workload: str | None = None) -> list[dict[str, Any]]:
@@ -262,7 +260,7 @@ def health(session: Session) -> dict[str, Any]:
     updates = [t for t in (last_tau, last_alias) if t is not None]
     return {
         "decision_events": int(session.scalar(select(func.count()).select_from(DecisionEvent)) or 0),
-        "dropped_events": int(session.scalar(select(func.coalesce(func.sum(StatBucket.dropped_events), 0))) or 0),
+        "dropped_events": int(session.scalar(select(*_sums(StatBucket.dropped_events))) or 0),
         "drift_events": int(session.scalar(select(func.count()).select_from(DriftEvent)) or 0),
         "last_event_at": session.scalar(select(func.max(DecisionEvent.at))),
         "last_bucket_at": session.scalar(select(func.max(StatBucket.bucket_start))),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from datetime import datetime, timezone
 from typing import Protocol
 
@@ -25,8 +25,6 @@ HIST_BINS = 25  # accepted_hist labels 0..24 (24 = 24 or more)
 ALL = "*"  # tenant/workload of rows that are not about one tenant (dropped events)
 UPSERT_CHUNK = 500  # rows per statement (SQLite's bound-parameter limit)
 
-COUNTERS = ("cache_drafts", "cache_verified", "model_drafts", "draft_tokens", "accepted_tokens",
-            "tp", "fp", "fn", "tn", "tokens", "cycles", "dropped_events")
 KEY_COLUMNS = ("bucket_start", "tenant", "workload", "predictor_version_id")
 
 BucketKey = tuple[datetime, str, str, int]
@@ -68,11 +66,13 @@ class BucketDelta:
         return self
 
     def copy(self) -> "BucketDelta":
-        return BucketDelta(**{f.name: getattr(self, f.name) for f in fields(self) if f.name != "accepted_hist"},
-                           accepted_hist=list(self.accepted_hist))
+        return replace(self, accepted_hist=list(self.accepted_hist))
 
     def is_zero(self) -> bool:
         return not any(getattr(self, name) for name in COUNTERS) and not any(self.accepted_hist)
+
+
+COUNTERS = tuple(f.name for f in fields(BucketDelta) if f.name != "accepted_hist")  # the additive int columns
 
 
 def bucket_start(at: float, bucket_seconds: int = BUCKET_SECONDS) -> datetime:
