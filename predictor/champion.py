@@ -7,9 +7,7 @@ from predictor.features import schema_hash
 from predictor.mlp import BlobError, GatePredictor
 from storage.engine import session_scope
 from storage.errors import CorruptBlobError, StorageError
-from storage.versions import get_alias_version, get_version, verify_blob
-
-CHAMPION = "champion"
+from storage.versions import CHAMPION, get_alias_version, get_version, verify_blob
 
 
 class NoChampionError(LookupError):

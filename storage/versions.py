@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 from storage.errors import CorruptBlobError, StorageError
 from storage.models import Alias, AliasEvent, PredictorVersion, utcnow
 
+CHAMPION = "champion"  # the alias of the version the controller serves
 _MAX_HASH_LEN = 64
 
 

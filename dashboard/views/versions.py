@@ -7,9 +7,8 @@ import streamlit as st
 from dashboard.common import admin_sidebar, engine_or_stop, read_session, stop_if_empty
 from storage import dashboard_queries as q
 from storage.engine import session_scope
-from storage.versions import get_alias_version, set_alias
+from storage.versions import CHAMPION, get_alias_version, set_alias
 
-CHAMPION = "champion"  # the alias the controller serves (predictor.champion.CHAMPION)
 st.title("Versions")
 admin = admin_sidebar()
 engine = engine_or_stop()
