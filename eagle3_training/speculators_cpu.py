@@ -5,7 +5,7 @@ runs unchanged. CPU-safe flags are added unless given: SDPA draft attention (Fle
 CPU backward), the eager loss (fused losses are Triton kernels), no dataloader workers, and `raise`
 on a missing hidden-state file (the default would call a vLLM server).
 
-    python -m drafter.speculators_cpu --verifier-name-or-path DIR --data-path DATA --save-path OUT ...
+    python -m eagle3_training.speculators_cpu --verifier-name-or-path DIR --data-path DATA --save-path OUT ...
 """
 from __future__ import annotations
 
