@@ -129,6 +129,8 @@ def test_recorded_acceptance_equals_vllm_counters(hybrid_run, database):
         return a - b
 
     verified = [e for e in events if e.draft_len > 0]
+    print(f"verified drafts {len(verified)}, draft tokens {sum(e.draft_len for e in verified)}, accepted tokens "
+          f"{sum(e.accepted for e in verified)}")
     assert delta("vllm:spec_decode_num_drafts") == len(verified)
     assert delta("vllm:spec_decode_num_draft_tokens") == sum(e.draft_len for e in verified)
     assert delta("vllm:spec_decode_num_accepted_tokens") == sum(e.accepted for e in verified)
