@@ -70,3 +70,12 @@ def test_benchmarked_methods_configure_engine_and_plugin():
         ve.method_env("medusa")
     with pytest.raises(FileNotFoundError, match="make eagle3"):
         ve.speculative_config("hvd", head=ve.MODELS / "missing")
+
+
+def test_per_request_opt_out():
+    """`hvd_speculate` as JSON or as the flag strings; anything else speculates (a client's typo
+    must not take the engine down)."""
+    from controller.engines.vllm_hybrid import _speculate
+
+    values = (True, False, 0, "false", "OFF", "0", "yes", "maybe")
+    assert [_speculate("r", v) for v in values] == [True, False, False, False, False, False, True, True]
