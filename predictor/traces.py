@@ -4,6 +4,11 @@ Users bring their own logs in this JSONL schema, so validation is strict and eve
 names file:line and the offending field: a silently mis-read trace would skew every
 replay measurement built on it.
 
+Every string must be encodable as UTF-8 (JSON's escaped lone surrogates such as "\\ud800" are
+refused: tokenizers, hashes and databases downstream cannot hold them), and a line may be at most
+`max_record_bytes` long (DEFAULT_MAX_RECORD_BYTES): files are read line by line with that bound, so
+one huge record costs neither the memory nor the replay time it would take to process it.
+
 Record schema (one JSON object per line; `.jsonl`, `.jsonl.gz` or `.jsonl.xz`)::
 
     workload  (required) one of WORKLOADS
@@ -18,13 +23,17 @@ import json
 import lzma
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, BinaryIO, Iterator, Sequence
 
 from storage.workloads import WORKLOADS  # re-exported: one list for every layer
 
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 SUFFIXES: tuple[str, ...] = (".jsonl", ".jsonl.gz", ".jsonl.xz")
 FIELDS: tuple[str, ...] = ("trace_id", "session_id", "turn", "source", "workload", "model", "run", "context", "output")
+# The bundled traces' longest line is 0.3 MiB; a record several times that is a log gone wrong more
+# often than a real prompt, and replaying it is super-linear in its length (20 MB: > 240 s, 4.4 GB).
+DEFAULT_MAX_RECORD_BYTES = 1 << 20
+_SKIP_CHUNK = 1 << 16  # how much of an over-long line is held at once while skipping it
 
 
 @dataclass(frozen=True)
@@ -47,7 +56,13 @@ class TraceRecord:
 
 
 class TraceFormatError(ValueError):
-    """A trace line is not in the schema; the message says where (file:line) and which field."""
+    """A trace line is not in the schema; the message says where (file:line) and which field.
+
+    The message is made printable (lone surrogates and other unencodable characters escaped as
+    backslash sequences) so that reporting a bad string can never fail in its turn."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message.encode("utf-8", "backslashreplace").decode("utf-8"))
 
 
 @dataclass
@@ -69,6 +84,17 @@ def _fail(where: str, name: str, problem: str) -> TraceFormatError:
     return TraceFormatError(f"{where}: field '{name}': {problem}")
 
 
+def _utf8(value: str, where: str, name: str) -> str:
+    """`value` unchanged if it can be stored and tokenized, i.e. encoded as UTF-8."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = value[exc.start]
+        raise _fail(where, name, f"character {exc.start} is U+{ord(bad):04X}, which is not valid in UTF-8 "
+                                 "(a lone surrogate escape such as \\ud800?)") from None
+    return value
+
+
 def _text(obj: dict[str, Any], name: str, where: str, default: str | None) -> str:
     """A non-empty string field; `default` None means the field is required."""
     if name not in obj:
@@ -80,7 +106,7 @@ def _text(obj: dict[str, Any], name: str, where: str, default: str | None) -> st
         raise _fail(where, name, f"must be a string, got {type(value).__name__}")
     if not value.strip():
         raise _fail(where, name, "must not be empty")
-    return value
+    return _utf8(value, where, name)
 
 
 def _turn(obj: dict[str, Any], where: str) -> int:
@@ -115,12 +141,17 @@ def _message(item: object, where: str, index: int) -> Message:
         raise _fail(where, f"{name}.content", f"must be a string, got {type(content).__name__}")
     if not isinstance(calls, list):
         raise _fail(where, f"{name}.tool_calls", f"must be a list, got {type(calls).__name__}")
-    lines = [content] if content else []
+    lines = [_utf8(content, where, f"{name}.content")] if content else []
     for j, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
+        where_call = f"{name}.tool_calls[{j}]"
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise _fail(where, f"{name}.tool_calls[{j}]", "must be {'function': {'name': str, 'arguments': ...}}")
-        lines.append(json.dumps({"name": fn["name"], "arguments": fn.get("arguments", "")}, ensure_ascii=False))
+            raise _fail(where, where_call, "must be {'function': {'name': str, 'arguments': ...}}")
+        try:
+            line = json.dumps({"name": fn["name"], "arguments": fn.get("arguments", "")}, ensure_ascii=False)
+        except RecursionError:
+            raise _fail(where, f"{where_call}.function.arguments", "nested too deeply") from None
+        lines.append(_utf8(line, where, f"{where_call}.function"))
     return Message(role, "\n".join(lines))
 
 
@@ -129,7 +160,7 @@ def _context(obj: dict[str, Any], where: str) -> tuple[Message, ...] | str:
         raise _fail(where, "context", "missing (required)")
     value = obj["context"]
     if isinstance(value, str):
-        return value
+        return _utf8(value, where, "context")
     if not isinstance(value, list):
         raise _fail(where, "context", f"must be a string or a list of messages, got {type(value).__name__}")
     return tuple(_message(item, where, i) for i, item in enumerate(value))
@@ -193,14 +224,45 @@ def _expand(paths: Sequence[str | Path]) -> list[Path]:
     return files
 
 
-def _raw_lines(path: Path) -> Iterator[bytes]:
-    """Lines of a possibly compressed file; a corrupt container is a format error of the file."""
+def _open(path: Path) -> BinaryIO:
     opener = {".gz": gzip.open, ".xz": lzma.open}.get(path.suffix, open)
+    return opener(path, "rb")  # type: ignore[return-value]
+
+
+_READ_ERRORS = (OSError, EOFError, lzma.LZMAError)
+
+
+def _read_problem(path: Path, exc: BaseException) -> str:
+    if path.suffix in (".gz", ".xz"):
+        return f"cannot read compressed data, truncated or corrupt ({exc})"
+    return f"cannot read the file ({exc})"
+
+
+def _lines(path: Path, max_bytes: int) -> Iterator[tuple[int, bytes | TraceFormatError]]:
+    """(line number, the line) for each line, or (line number, an error) for a line over `max_bytes`
+    (skipped without ever holding more than `max_bytes` of it) and, last, for a read error: a
+    truncated .gz/.xz yields every complete line before the cut, then one error naming where it was
+    cut (a partial last line is part of that error, not a second, misleading "invalid JSON")."""
+    lineno = 1
     try:
-        with opener(path, "rb") as fh:
-            yield from fh
-    except (OSError, EOFError, lzma.LZMAError) as exc:
-        raise TraceFormatError(f"{path}: cannot read compressed data: {exc}") from exc
+        if path.suffix in (".gz", ".xz") and path.stat().st_size == 0:  # gzip would read it as no lines
+            raise EOFError("the file is empty")
+        with _open(path) as fh:
+            while line := fh.readline(max_bytes + 1):
+                if len(line) > max_bytes and not line.endswith(b"\n"):
+                    size = len(line)
+                    while not line.endswith(b"\n") and (line := fh.readline(_SKIP_CHUNK)):
+                        size += len(line) - line.endswith(b"\n")
+                    yield lineno, TraceFormatError(
+                        f"{path}:{lineno}: record is {size:,} bytes, over the limit of {max_bytes:,} bytes "
+                        "(raise it with --max-record-bytes, or load_traces(max_record_bytes=...))")
+                else:
+                    if not line.endswith(b"\n"):
+                        fh.read(1)  # the data's end: a truncated container raises here, not yield a cut line
+                    yield lineno, line
+                lineno += 1
+    except _READ_ERRORS as exc:
+        yield lineno, TraceFormatError(f"{path}:{lineno}: {_read_problem(path, exc)}")
 
 
 def _stem(path: Path) -> str:
@@ -224,12 +286,15 @@ def _decode(raw: bytes, where: str) -> object:
         raise TraceFormatError(f"{where}: invalid JSON ({exc})") from exc
 
 
-def _file_records(path: Path) -> Iterator[tuple[str, TraceRecord | TraceFormatError]]:
+def _file_records(path: Path, max_bytes: int) -> Iterator[tuple[str, TraceRecord | TraceFormatError]]:
     """Each non-blank line parsed, or the error that line produced (so the caller may skip it)."""
-    for lineno, raw in enumerate(_raw_lines(path), start=1):
+    for lineno, raw in _lines(path, max_bytes):
+        where = f"{path}:{lineno}"
+        if isinstance(raw, TraceFormatError):
+            yield where, raw
+            continue
         if not raw.strip():
             continue
-        where = f"{path}:{lineno}"
         try:
             obj = _decode(raw, where)
             yield where, parse_record(obj, where, default_trace_id=f"{_stem(path)}:{lineno}", default_source=path.name)
@@ -267,19 +332,24 @@ def _arrival_order(records: list[TraceRecord]) -> list[TraceRecord]:
     return sorted(records, key=lambda r: (first[r.session_id], r.turn))
 
 
-def load_traces(paths: Sequence[str | Path], skip_bad: bool = False) -> tuple[list[TraceRecord], LoadReport]:
+def load_traces(
+    paths: Sequence[str | Path], skip_bad: bool = False, max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES
+) -> tuple[list[TraceRecord], LoadReport]:
     """Read and validate trace files; raise on the first bad line unless `skip_bad`.
 
     With `skip_bad` a bad line is dropped and its error kept in the report, so one broken
-    line in a large user log does not block a replay but is never silently lost either.
+    line in a large user log does not block a replay but is never silently lost either; a
+    truncated compressed file keeps the lines before the cut and counts the cut as one error.
     """
     if isinstance(paths, (str, Path)):
         paths = [paths]
+    if max_record_bytes < 1:
+        raise ValueError(f"max_record_bytes must be >= 1, got {max_record_bytes}")
     report = LoadReport()
     seq = _Sequencer()
     records: list[TraceRecord] = []
     for path in _expand(paths):
-        for where, item in _file_records(path):
+        for where, item in _file_records(path, max_record_bytes):
             try:
                 if isinstance(item, TraceFormatError):
                     raise item
