@@ -9,18 +9,19 @@ draft through this class, so the labels the predictor learns from are the drafts
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from arctic_inference.suffix_decoding import SuffixDecodingCache
-from arctic_inference.suffix_decoding._C import SuffixTree
+from arctic_inference.suffix_decoding._C import Draft, SuffixTree
 
 from predictor.labels import lcp
 
-SOURCE_NONE = 0
-SOURCE_PROMPT = 1
-SOURCE_GLOBAL = 2
-SOURCE_NAMES = {SOURCE_NONE: "none", SOURCE_PROMPT: "prompt", SOURCE_GLOBAL: "global"}
+# Which suffix tree a draft came from (a draft's `tree`).
+TREE_NONE = 0
+TREE_PROMPT = 1
+TREE_GLOBAL = 2
 
 
 @dataclass(frozen=True)
@@ -44,15 +45,15 @@ class SuffixConfig:
             raise ValueError(f"min_token_prob must be in [0, 1], got {self.min_token_prob}")
 
 
-@dataclass(frozen=True)
-class CacheDraft:
-    """One cache draft and what the gate may know about it before verification."""
+class CacheDraft(NamedTuple):
+    """One cache draft and what the gate may know about it before verification (a NamedTuple
+    because replay makes one per output position)."""
 
-    token_ids: list[int] = field(default_factory=list)
-    probs: list[float] = field(default_factory=list)
+    token_ids: list[int]
+    probs: list[float]
     score: float = 0.0
     match_len: int = 0
-    source: int = SOURCE_NONE
+    tree: int = TREE_NONE
     # The tree that lost: its score, length, and how many leading tokens both trees agree on.
     other_score: float = 0.0
     other_len: int = 0
@@ -94,22 +95,34 @@ class CacheDrafter:
     def draft(self, req_id: Hashable, context: np.ndarray, max_spec_tokens: int | None = None) -> CacheDraft:
         """Draft after `context` (the request's prompt + output so far; only its tail is matched)."""
         cfg = self.config
-        limit = cfg.num_speculative_tokens if max_spec_tokens is None else max_spec_tokens
-        pattern = _as_int32(context[-cfg.max_tree_depth :])
-        local = self._cache._local_trees[req_id]
-        args = (limit, cfg.max_spec_factor, 0.0, cfg.min_token_prob, False)
-        d_prompt = SuffixTree.speculate_ndarray(local, pattern, *args)
-        d_global = SuffixTree.speculate_ndarray(self._cache._global_tree, pattern, *args)
+        d_prompt, d_global = _speculate_each_tree(
+            self._cache, req_id, _as_int32(context[-cfg.max_tree_depth :]),
+            max_spec_tokens=cfg.num_speculative_tokens if max_spec_tokens is None else max_spec_tokens,
+            max_spec_factor=cfg.max_spec_factor, max_spec_offset=0.0, min_token_prob=cfg.min_token_prob,
+            use_tree_spec=False)
         if d_prompt.score >= d_global.score:
-            best, other, source = d_prompt, d_global, SOURCE_PROMPT
+            best, other, tree = d_prompt, d_global, TREE_PROMPT
         else:
-            best, other, source = d_global, d_prompt, SOURCE_GLOBAL
+            best, other, tree = d_global, d_prompt, TREE_GLOBAL
         token_ids = list(best.token_ids)
         if not token_ids:
-            return CacheDraft(match_len=int(best.match_len))
+            return CacheDraft([], [], match_len=int(best.match_len))
         other_ids = list(other.token_ids)
-        return CacheDraft(token_ids, list(best.probs), float(best.score), int(best.match_len), source,
+        return CacheDraft(token_ids, list(best.probs), float(best.score), int(best.match_len), tree,
                           float(other.score), len(other_ids), lcp(token_ids, other_ids))
+
+
+def _speculate_each_tree(cache: SuffixDecodingCache, req_id: Hashable, pattern: np.ndarray, *,
+                         max_spec_tokens: int, max_spec_factor: float, max_spec_offset: float,
+                         min_token_prob: float, use_tree_spec: bool) -> tuple[Draft, Draft]:
+    """The drafts of the request's prompt tree and of the global tree, in that order.
+
+    `SuffixDecodingCache.speculate` (same parameters) returns only the better of the two; this is the
+    one place that reaches into its trees, whose native call takes the parameters by position.
+    """
+    args = (max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob, use_tree_spec)
+    return (SuffixTree.speculate_ndarray(cache._local_trees[req_id], pattern, *args),
+            SuffixTree.speculate_ndarray(cache._global_tree, pattern, *args))
 
 
 def _as_int32(tokens: np.ndarray | Sequence[int]) -> np.ndarray:

@@ -1,60 +1,146 @@
-"""The feature vector phi_t the gate sees before verification, and its versioned schema.
+"""The feature vector phi the gate sees before verification: its inputs, its columns, its schema.
+
+A feature is one line of FEATURES: its name and its formula over the named inputs of a batch of
+drafts (every number of CacheDraft, DraftContext and History, by that name). The order of FEATURES
+is the column order. Offline replay and the live runtime both build DraftContexts (through
+predictor.hindsight) and call feature_matrix, so the features a predictor learns from are the ones
+it is served.
 
 Every model stores the hash of the schema it was trained on; loading a model against another
-schema is refused, because a column shift would silently turn the gate into noise.
+schema is refused, because a column shift would silently turn the gate into noise. Changing a
+formula or the order means bumping FEATURE_SCHEMA_VERSION.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from itertools import chain
+from operator import attrgetter
+from typing import NamedTuple
 
 import numpy as np
 
-from predictor.cache_drafter import SOURCE_GLOBAL, SOURCE_PROMPT
+from predictor.cache_drafter import TREE_GLOBAL, TREE_PROMPT, CacheDraft
 from predictor.tokens import BRACKET, DIGIT, NEWLINE, QUOTE, TokenClasses
 from predictor.traces import WORKLOADS
 
 FEATURE_SCHEMA_VERSION = 3
 MAX_NESTING = 8
 
-FEATURE_NAMES: tuple[str, ...] = (
-    "match_len",
-    "draft_len",
-    "score",
-    "score_per_token",
-    "prob_min",
-    "prob_mean",
-    "prob_first",
-    "prob_last",
-    "source_prompt",
-    "source_global",
-    "log_position",
-    "log_context_len",
-    "draft_has_newline",
-    "draft_has_bracket",
-    "draft_has_quote",
-    "draft_has_digit",
-    "nesting_depth",
-    "at_line_start",
-    "prev_agree",
-    "log_prev_gap",
-    "has_prev",
-    "last_label",
-    "mean_label",
-    "log_n_resolved",
-    "other_tree_score",
-    "other_tree_len",
-    "trees_agree",
-    "continues_prev",
-    "agree_2",
-    "agree_4",
-    "log_hit_streak",
-    "first_token_newline",
-    "first_token_bracket_quote",
-) + tuple(f"workload_{w}" for w in WORKLOADS)
+
+class History(NamedTuple):
+    """What a request's earlier drafts have shown by the current position t (out[:t] realised)."""
+
+    prev_agree: float  # of the latest earlier draft's tokens realised since, the share it got right
+    prev_gap: int  # positions since that draft
+    has_prev: bool
+    last_label: float  # label of the latest-positioned draft whose label is known
+    mean_label: float  # mean label of the drafts whose labels are known
+    n_resolved: int  # how many those are
+    agree_2: float  # prev_agree of the draft made at t - 2 (0 if none)
+    agree_4: float
+    hit_streak: int  # consecutive positions up to t whose draft's first token was right
+
+
+class DraftContext(NamedTuple):
+    """One cache draft and everything else the gate may know about it before verification."""
+
+    draft: CacheDraft
+    continues_prev: int  # leading tokens equal to the latest earlier draft's not-yet-realised tail
+    position: int  # output tokens realised when it was drafted
+    context_len: int  # prompt + output tokens
+    nesting: int  # open brackets in the output so far
+    at_line_start: bool  # the last realised token ends a line
+    workload: int  # index into WORKLOADS
+    history: History
+
+
+class _Inputs:
+    """A batch of DraftContexts as named columns, plus the drafts' tokens and probabilities laid
+    end to end (rows without a draft have none)."""
+
+    _DRAFT = tuple(name for name in CacheDraft._fields if name not in ("token_ids", "probs"))
+    _CONTEXT = tuple(name for name in DraftContext._fields if name not in ("draft", "history"))
+    _draft_numbers = attrgetter(*_DRAFT)
+    _context_numbers = attrgetter(*_CONTEXT)
+
+    def __init__(self, rows: Sequence[DraftContext], classes: TokenClasses) -> None:
+        n = self.n = len(rows)
+        drafts = [r.draft for r in rows]
+        for names, values in ((self._DRAFT, map(self._draft_numbers, drafts)),
+                              (self._CONTEXT, map(self._context_numbers, rows)),
+                              (History._fields, (r.history for r in rows))):
+            columns = np.fromiter(chain.from_iterable(values), dtype=np.float64, count=n * len(names))
+            self.__dict__.update(zip(names, columns.reshape(n, len(names)).T))
+        self.lengths = np.fromiter((len(d.token_ids) for d in drafts), dtype=np.int64, count=n)
+        self.has = self.lengths > 0
+        self.tokens = np.fromiter(chain.from_iterable(d.token_ids for d in drafts), dtype=np.int32)
+        self.probs = np.fromiter(chain.from_iterable(d.probs for d in drafts), dtype=np.float32)
+        self.firsts = (np.cumsum(self.lengths) - self.lengths)[self.has]  # where each draft starts
+        self.lasts = self.firsts + self.lengths[self.has] - 1
+        self.flags = classes.flags[self.tokens]
+
+    def per_draft(self, values: np.ndarray) -> np.ndarray:
+        """Values given for the rows with a draft, 0 elsewhere."""
+        out = np.zeros(self.n)
+        out[self.has] = values
+        return out
+
+    def over_draft(self, ufunc: np.ufunc, values: np.ndarray) -> np.ndarray:
+        """`ufunc` reduced over each draft's tokens."""
+        return self.per_draft(ufunc.reduceat(values, self.firsts))
+
+    def per_token(self, values: np.ndarray) -> np.ndarray:
+        return np.divide(values, self.lengths, out=np.zeros(self.n), where=self.has)
+
+    def draft_has(self, flag: int) -> np.ndarray:
+        return self.per_draft((np.bitwise_or.reduceat(self.flags, self.firsts) & flag) > 0)
+
+    def first_token_has(self, flag: int) -> np.ndarray:
+        return self.per_draft((self.flags[self.firsts] & flag) > 0)
+
+
+Formula = Callable[[_Inputs], np.ndarray]
+
+FEATURES: tuple[tuple[str, Formula], ...] = (
+    ("match_len", lambda b: np.where(b.has, b.match_len, 0.0)),  # a match that found nothing to draft counts 0
+    ("draft_len", lambda b: b.lengths),
+    ("score", lambda b: b.score),
+    ("score_per_token", lambda b: b.per_token(b.score)),
+    ("prob_min", lambda b: b.over_draft(np.minimum, b.probs)),
+    ("prob_mean", lambda b: b.per_token(b.over_draft(np.add, b.probs))),
+    ("prob_first", lambda b: b.per_draft(b.probs[b.firsts])),
+    ("prob_last", lambda b: b.per_draft(b.probs[b.lasts])),
+    ("source_prompt", lambda b: b.tree == TREE_PROMPT),
+    ("source_global", lambda b: b.tree == TREE_GLOBAL),
+    ("log_position", lambda b: np.log1p(b.position)),
+    ("log_context_len", lambda b: np.log1p(b.context_len)),
+    ("draft_has_newline", lambda b: b.draft_has(NEWLINE)),
+    ("draft_has_bracket", lambda b: b.draft_has(BRACKET)),
+    ("draft_has_quote", lambda b: b.draft_has(QUOTE)),
+    ("draft_has_digit", lambda b: b.draft_has(DIGIT)),
+    ("nesting_depth", lambda b: np.clip(b.nesting, 0, MAX_NESTING)),
+    ("at_line_start", lambda b: b.at_line_start),
+    ("prev_agree", lambda b: b.prev_agree),
+    ("log_prev_gap", lambda b: np.log1p(b.prev_gap)),
+    ("has_prev", lambda b: b.has_prev),
+    ("last_label", lambda b: b.last_label),
+    ("mean_label", lambda b: b.mean_label),
+    ("log_n_resolved", lambda b: np.log1p(b.n_resolved)),
+    ("other_tree_score", lambda b: b.other_score),
+    ("other_tree_len", lambda b: b.other_len),
+    ("trees_agree", lambda b: b.per_token(b.trees_agree)),
+    ("continues_prev", lambda b: b.per_token(b.continues_prev)),
+    ("agree_2", lambda b: b.agree_2),
+    ("agree_4", lambda b: b.agree_4),
+    ("log_hit_streak", lambda b: np.log1p(b.hit_streak)),
+    ("first_token_newline", lambda b: b.first_token_has(NEWLINE)),
+    ("first_token_bracket_quote", lambda b: b.first_token_has(BRACKET | QUOTE)),
+) + tuple((f"workload_{w}", lambda b, i=i: b.workload == i) for i, w in enumerate(WORKLOADS))
+
+FEATURE_NAMES: tuple[str, ...] = tuple(name for name, _ in FEATURES)
 NUM_FEATURES = len(FEATURE_NAMES)
-_COL = {name: i for i, name in enumerate(FEATURE_NAMES)}
 
 
 def schema_hash() -> str:
@@ -63,139 +149,10 @@ def schema_hash() -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-@dataclass
-class DraftColumns:
-    """Raw per-draft quantities for n drafts; draft tokens and probabilities laid end to end."""
-
-    lengths: np.ndarray  # int, tokens per draft (0 = no draft)
-    tokens: np.ndarray  # int32, flat
-    probs: np.ndarray  # float32, flat
-    score: np.ndarray
-    match_len: np.ndarray
-    source: np.ndarray  # SOURCE_* per draft
-    other_score: np.ndarray  # the losing tree's score
-    other_len: np.ndarray
-    trees_agree: np.ndarray  # leading tokens both trees propose alike
-    continues_prev: np.ndarray  # leading tokens equal to the latest earlier draft's not-yet-realised tail
-
-
-@dataclass
-class HistoryColumns:
-    """What the request's earlier drafts say by the time of each new draft (hindsight)."""
-
-    prev_agree: np.ndarray
-    prev_gap: np.ndarray
-    has_prev: np.ndarray
-    last_label: np.ndarray
-    mean_label: np.ndarray
-    n_resolved: np.ndarray
-    agree_2: np.ndarray  # agreement of the draft made 2 positions back with what was realised since
-    agree_4: np.ndarray
-    hit_streak: np.ndarray  # consecutive latest drafts whose first token was right
-
-
-def draft_features(
-    drafts: DraftColumns,
-    positions: np.ndarray,
-    context_len: np.ndarray,
-    nesting: np.ndarray,
-    at_line_start: np.ndarray,
-    history: HistoryColumns,
-    workload: np.ndarray,
-    classes: TokenClasses,
-) -> np.ndarray:
-    """Assemble phi for n drafts (float32, shape n x NUM_FEATURES); rows without a draft are zero-ish."""
-    n = len(drafts.lengths)
-    x = np.zeros((n, NUM_FEATURES), dtype=np.float32)
-    lengths = np.asarray(drafts.lengths)
-    has = lengths > 0
-    x[:, _COL["match_len"]] = drafts.match_len
-    x[:, _COL["draft_len"]] = lengths
-    x[:, _COL["score"]] = drafts.score
-    x[:, _COL["score_per_token"]] = np.divide(drafts.score, lengths, out=np.zeros(n), where=has)
-    if has.any():
-        offsets = np.concatenate(([0], np.cumsum(lengths)[:-1]))[has]
-        ends = offsets + lengths[has] - 1
-        probs = drafts.probs
-        x[has, _COL["prob_min"]] = np.minimum.reduceat(probs, offsets)
-        x[has, _COL["prob_mean"]] = np.add.reduceat(probs, offsets) / lengths[has]
-        x[has, _COL["prob_first"]] = probs[offsets]
-        x[has, _COL["prob_last"]] = probs[ends]
-        flags = np.bitwise_or.reduceat(classes.flags[drafts.tokens], offsets)
-        x[has, _COL["draft_has_newline"]] = (flags & NEWLINE) > 0
-        x[has, _COL["draft_has_bracket"]] = (flags & BRACKET) > 0
-        x[has, _COL["draft_has_quote"]] = (flags & QUOTE) > 0
-        x[has, _COL["draft_has_digit"]] = (flags & DIGIT) > 0
-        first = classes.flags[drafts.tokens[offsets]]
-        x[has, _COL["first_token_newline"]] = (first & NEWLINE) > 0
-        x[has, _COL["first_token_bracket_quote"]] = (first & (BRACKET | QUOTE)) > 0
-    x[:, _COL["source_prompt"]] = drafts.source == SOURCE_PROMPT
-    x[:, _COL["source_global"]] = drafts.source == SOURCE_GLOBAL
-    x[:, _COL["log_position"]] = np.log1p(positions)
-    x[:, _COL["log_context_len"]] = np.log1p(context_len)
-    x[:, _COL["nesting_depth"]] = np.clip(nesting, 0, MAX_NESTING)
-    x[:, _COL["at_line_start"]] = at_line_start
-    x[:, _COL["prev_agree"]] = history.prev_agree
-    x[:, _COL["log_prev_gap"]] = np.log1p(history.prev_gap)
-    x[:, _COL["has_prev"]] = history.has_prev
-    x[:, _COL["last_label"]] = history.last_label
-    x[:, _COL["mean_label"]] = history.mean_label
-    x[:, _COL["log_n_resolved"]] = np.log1p(history.n_resolved)
-    x[:, _COL["other_tree_score"]] = drafts.other_score
-    x[:, _COL["other_tree_len"]] = drafts.other_len
-    x[:, _COL["trees_agree"]] = np.divide(drafts.trees_agree, lengths, out=np.zeros(n), where=has)
-    x[:, _COL["continues_prev"]] = np.divide(drafts.continues_prev, lengths, out=np.zeros(n), where=has)
-    x[:, _COL["agree_2"]] = history.agree_2
-    x[:, _COL["agree_4"]] = history.agree_4
-    x[:, _COL["log_hit_streak"]] = np.log1p(history.hit_streak)
-    first_workload = _COL[f"workload_{WORKLOADS[0]}"]
-    x[np.arange(n), first_workload + np.asarray(workload, dtype=np.int64)] = 1.0
+def feature_matrix(rows: Sequence[DraftContext], classes: TokenClasses) -> np.ndarray:
+    """phi for each row (float32, rows x NUM_FEATURES); a row without a draft has its draft columns 0."""
+    inputs = _Inputs(rows, classes)
+    x = np.empty((inputs.n, NUM_FEATURES), dtype=np.float32)
+    for j, (_, formula) in enumerate(FEATURES):
+        x[:, j] = formula(inputs)
     return x
-
-
-def dense_history(labels: np.ndarray, lengths: np.ndarray) -> HistoryColumns:
-    """History features for a request drafted at every output position 0..L-1 (trace replay).
-
-    At position t the output out[:t] is known. A draft made at s < t has shown min(y_s, t - s) of
-    its tokens to be right ("agreement" with what was realised since), and is fully resolved once
-    t >= s + min(y_s + 1, k_s). The live runtime keeps the same quantities incrementally.
-    """
-    n = len(labels)
-    pos = np.arange(n)
-    has = lengths > 0
-    latest = np.maximum.accumulate(np.where(has, pos, -1))
-    prev = np.concatenate(([-1], latest[:-1]))  # latest draft strictly before t
-    has_prev = prev >= 0
-    gap = np.where(has_prev, pos - prev, 0)
-    prev_c = np.maximum(prev, 0)
-    seen = np.minimum(lengths[prev_c], gap)
-    prev_agree = np.where(has_prev, np.minimum(labels[prev_c], gap) / np.maximum(seen, 1), 0.0)
-
-    done = np.where(has, pos + np.minimum(labels + 1, lengths), n + 1)
-    in_range = done <= n - 1
-    count = np.cumsum(np.bincount(done[in_range], minlength=n)[:n])
-    total = np.cumsum(np.bincount(done[in_range], weights=labels[in_range], minlength=n)[:n])
-    last_pos = np.full(n, -1)
-    np.maximum.at(last_pos, done[in_range], pos[in_range])
-    last_pos = np.maximum.accumulate(last_pos)
-
-    def agree(j: int) -> np.ndarray:
-        s = pos - j
-        ok = s >= 0
-        s = np.maximum(s, 0)
-        seen_j = np.minimum(lengths[s], j)
-        return np.where(ok & (lengths[s] > 0), np.minimum(labels[s], j) / np.maximum(seen_j, 1), 0.0)
-
-    miss = np.maximum.accumulate(np.where((labels >= 1) & has, -1, pos))
-    streak = np.concatenate(([0], (pos[:-1] - miss[:-1])))
-    return HistoryColumns(
-        prev_agree=prev_agree,
-        prev_gap=gap,
-        has_prev=has_prev,
-        last_label=np.where(last_pos >= 0, labels[np.maximum(last_pos, 0)], 0),
-        mean_label=np.divide(total, count, out=np.zeros(n), where=count > 0),
-        n_resolved=count,
-        agree_2=agree(2),
-        agree_4=agree(4),
-        hit_streak=streak,
-    )

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from predictor.cache_drafter import CacheDrafter, SuffixConfig
-from predictor.features import DraftColumns, dense_history, draft_features
-from predictor.labels import lcp, lcp_many
+from predictor.features import NUM_FEATURES, DraftContext, feature_matrix
+from predictor.hindsight import Hindsight
 from predictor.tokens import TraceTokenizer
 from predictor.traces import WORKLOADS, TraceRecord
 
@@ -45,21 +45,6 @@ class ReplayResult:
 
     def row_workload(self) -> np.ndarray:
         return self.workload[self.trace]
-
-    def select_traces(self, keep: np.ndarray) -> "ReplayResult":
-        """Rows of the traces where `keep` (a bool per trace) is set; trace indices are kept."""
-        mask = keep[self.trace]
-        return ReplayResult(
-            trace=self.trace[mask],
-            position=self.position[mask],
-            draft_len=self.draft_len[mask],
-            label=self.label[mask],
-            score=self.score[mask],
-            features=self.features[mask],
-            records=self.records,
-            output_len=self.output_len,
-            workload=self.workload,
-        )
 
 
 def deployments(records: Iterable[TraceRecord]) -> dict[tuple[str, str, str], list[TraceRecord]]:
@@ -111,66 +96,33 @@ class _TraceRows:
 def _replay_one(drafter: CacheDrafter, record: TraceRecord, trace: int, tokenizer: TraceTokenizer) -> _TraceRows:
     prompt = tokenizer.encode_context(record)
     out = tokenizer.encode_output(record.output)
-    seq = np.concatenate([prompt, out]).astype(np.int32)
-    p, n = len(prompt), len(out)
+    n = len(out)
     req_id = f"{trace}"
     drafter.start(req_id, prompt)
-    tokens: list[int] = []
-    probs: list[float] = []
-    lengths = np.zeros(max(n - 1, 0), dtype=np.int64)
-    scores = np.zeros(len(lengths), dtype=np.float32)
-    match = np.zeros(len(lengths), dtype=np.int32)
-    source = np.zeros(len(lengths), dtype=np.int8)
-    other = np.zeros((len(lengths), 4), dtype=np.float32)  # other_score, other_len, trees_agree, continues_prev
-    prev: list[int] = []  # the latest non-empty draft, made at prev_pos
-    prev_pos = 0
-    for t in range(1, n):
-        drafter.extend(req_id, seq[p + t - 1 : p + t])
-        d = drafter.draft(req_id, seq[: p + t])
-        j = t - 1
-        lengths[j] = d.length
-        if d.length:
-            tokens.extend(d.token_ids)
-            probs.extend(d.probs)
-            scores[j] = d.score
-            match[j] = d.match_len
-            source[j] = d.source
-            other[j] = (d.other_score, d.other_len, d.trees_agree, lcp(prev[t - prev_pos :], d.token_ids))
-            prev, prev_pos = d.token_ids, t
-    if n:
-        drafter.extend(req_id, seq[p + n - 1 : p + n])
+    request = Hindsight(prompt, WORKLOADS.index(record.workload), tokenizer.classes)
+    rows: list[DraftContext] = []
+    labels = np.zeros(max(n - 1, 0), dtype=np.int16)
+    for t in range(n):
+        token = out[t : t + 1]
+        drafter.extend(req_id, token)
+        for d, y in request.append(token):
+            labels[d.position - 1] = y
+        if t + 1 < n:  # a draft after every output token but the last
+            draft = drafter.draft(req_id, request.tokens)
+            rows.append(request.draft_context(draft))
+            if draft.length:
+                request.add(draft)
+    for d, y in request.finish():
+        labels[d.position - 1] = y
     drafter.stop(req_id)
-
-    positions = np.arange(1, n, dtype=np.int64)
-    flat = np.asarray(tokens, dtype=np.int32)
-    labels = lcp_many(flat, lengths, positions, out)
-    classes = tokenizer.classes
-    depth = np.concatenate(([0], np.cumsum(classes.depth_delta[out].astype(np.int64))))
-    columns = DraftColumns(lengths, flat, np.asarray(probs, dtype=np.float32), scores, match, source,
-                           other[:, 0], other[:, 1], other[:, 2], other[:, 3])
-    # History is defined over output positions 0..L-1; position 0 (the prefill token) has no draft.
-    dense_labels = np.concatenate(([0], labels))
-    dense_lengths = np.concatenate(([0], lengths))
-    history = dense_history(dense_labels, dense_lengths)
-    history = type(history)(**{k: v[1:] for k, v in vars(history).items()})
-    features = draft_features(
-        columns,
-        positions=positions,
-        context_len=p + positions,
-        nesting=depth[1:n],
-        at_line_start=classes.ends_line[out[: max(n - 1, 0)]],
-        history=history,
-        workload=np.full(len(positions), WORKLOADS.index(record.workload)),
-        classes=classes,
-    )
-    return _TraceRows(trace, n, positions.astype(np.int32), lengths.astype(np.int16),
-                      labels.astype(np.int16), scores, features)
+    return _TraceRows(trace, n, np.arange(1, max(n, 1), dtype=np.int32),
+                      np.fromiter((r.draft.length for r in rows), dtype=np.int16, count=len(rows)), labels,
+                      np.fromiter((r.draft.score for r in rows), dtype=np.float32, count=len(rows)),
+                      feature_matrix(rows, tokenizer.classes))
 
 
 def _concat(parts: list[_TraceRows], records: list[TraceRecord], output_len: np.ndarray,
             workload: np.ndarray) -> ReplayResult:
-    from predictor.features import NUM_FEATURES
-
     def cat(name: str, dtype: type, empty_shape: tuple[int, ...] = (0,)) -> np.ndarray:
         arrays = [getattr(p, name) for p in parts]
         return np.concatenate(arrays).astype(dtype) if arrays else np.zeros(empty_shape, dtype=dtype)

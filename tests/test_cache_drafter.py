@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from arctic_inference.suffix_decoding import SuffixDecodingCache
 
-from predictor.cache_drafter import SOURCE_GLOBAL, SOURCE_NONE, SOURCE_PROMPT, CacheDrafter, SuffixConfig
+from predictor.cache_drafter import TREE_GLOBAL, TREE_NONE, TREE_PROMPT, CacheDrafter, SuffixConfig
 from predictor.features import NUM_FEATURES
 from predictor.labels import lcp
 from predictor.trace_replay import replay
@@ -24,7 +24,7 @@ def test_repeated_phrase_in_prompt_drafts_from_prompt_tree():
     prompt = np.array([1, 2] + PHRASE + [7, 8, 9] + PHRASE[:5], dtype=np.int32)
     drafter.start("r", prompt)
     d = drafter.draft("r", prompt)
-    assert d.source == SOURCE_PROMPT
+    assert d.tree == TREE_PROMPT
     assert d.match_len == 5
     # continues the phrase; length capped by max_spec_factor * match_len = 5 (only 3 phrase tokens left)
     assert d.token_ids[:3] == PHRASE[5:]
@@ -39,7 +39,7 @@ def test_no_match_gives_empty_draft():
     prompt = np.array([1, 2, 3, 4], dtype=np.int32)
     drafter.start("r", prompt)
     d = drafter.draft("r", prompt)
-    assert d.token_ids == [] and d.length == 0 and d.source == SOURCE_NONE and d.score == 0.0
+    assert d.token_ids == [] and d.length == 0 and d.tree == TREE_NONE and d.score == 0.0
 
 
 def test_finished_response_drafts_for_another_request_from_global_tree():
@@ -52,7 +52,7 @@ def test_finished_response_drafts_for_another_request_from_global_tree():
     prompt = np.array([5, 6, 7] + response[:10], dtype=np.int32)
     drafter.start("b", prompt)
     d = drafter.draft("b", prompt)
-    assert d.source == SOURCE_GLOBAL
+    assert d.tree == TREE_GLOBAL
     assert d.match_len == 10
     assert d.token_ids == response[10:20]  # capped at match_len tokens (factor 1.0)
     assert d.probs == [1.0] * 10 and d.score == pytest.approx(10.0)
@@ -69,7 +69,7 @@ def test_prompt_tree_wins_ties_and_trees_agree_is_counted():
     drafter.stop("a")
     drafter.start("b", np.array(text, dtype=np.int32))
     d = drafter.draft("b", np.array(text, dtype=np.int32))
-    assert d.source == SOURCE_PROMPT  # a tie, which the prompt tree wins
+    assert d.tree == TREE_PROMPT  # a tie, which the prompt tree wins
     assert d.token_ids == [303, 304, 305]
     assert d.other_score == pytest.approx(d.score) and d.score > 0
     assert d.other_len == 3 and d.trees_agree == 3
@@ -83,7 +83,7 @@ def test_trees_agree_counts_leading_common_tokens():
     prompt = [50, 51, 52, 53, 70, 71, 72, 8, 50, 51, 52]  # prompt: 50 51 52 -> 53 70 71 (prob 0.5)
     drafter.start("b", np.array(prompt, dtype=np.int32))
     d = drafter.draft("b", np.array(prompt, dtype=np.int32))
-    assert d.source == SOURCE_GLOBAL and d.token_ids == [53, 60, 61]
+    assert d.tree == TREE_GLOBAL and d.token_ids == [53, 60, 61]
     assert d.other_len == 3 and d.trees_agree == 1
     assert d.other_score == pytest.approx(1.5) and d.score == pytest.approx(3.0)
 
@@ -156,8 +156,8 @@ def test_best_draft_equals_suffix_decoding_cache_speculate(tokenised):
                 assert mine.match_len == ref.match_len
                 assert mine.probs == pytest.approx(list(ref.probs), abs=1e-6)
                 nonempty += 1
-                from_prompt += mine.source == SOURCE_PROMPT
-                from_global += mine.source == SOURCE_GLOBAL
+                from_prompt += mine.tree == TREE_PROMPT
+                from_global += mine.tree == TREE_GLOBAL
             compared += 1
         drafter.stop(rid)
         reference.stop_request(rid)

@@ -1,14 +1,14 @@
-"""Feature schema stability and the dense history features."""
+"""Feature schema stability and the feature columns."""
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
+import pytest
 
 from predictor import features
-from predictor.features import FEATURE_NAMES, NUM_FEATURES, dense_history, schema_hash
+from predictor.cache_drafter import TREE_GLOBAL, CacheDraft
+from predictor.features import (FEATURE_NAMES, MAX_NESTING, NUM_FEATURES, DraftContext, History, feature_matrix,
+                                schema_hash)
+from predictor.tokens import BRACKET, NEWLINE, TokenClasses
 from predictor.traces import WORKLOADS
 
 # Computed from the code when these tests were written. If this fails, a feature column changed:
@@ -35,102 +35,35 @@ def test_schema_hash_depends_on_names(monkeypatch):
     assert features.schema_hash() != SCHEMA_HASH
 
 
-# ---------------------------------------------------------------- dense_history, by hand
+# ---------------------------------------------------------------- the columns, by hand
 
-#            t: 0  1  2  3  4  5  6  7
-LENGTHS = np.array([0, 4, 0, 2, 3, 0, 2, 1])
-LABELS = np.array([0, 2, 0, 2, 0, 0, 1, 1])
-# drafts at 1, 3, 4 resolve at 1+3=4, 3+2=5, 4+1=5; drafts at 6 and 7 resolve at 8 (past the end)
+CLASSES = TokenClasses(flags=np.array([0, 0, 0, NEWLINE, BRACKET], dtype=np.uint8),
+                       depth_delta=np.zeros(5, dtype=np.int8), ends_line=np.zeros(5, dtype=bool))
 
 
-def test_dense_history_hand_computed():
-    h = dense_history(LABELS, LENGTHS)
-    np.testing.assert_array_equal(h.has_prev, [0, 0, 1, 1, 1, 1, 1, 1])
-    np.testing.assert_array_equal(h.prev_gap, [0, 0, 1, 2, 1, 1, 2, 1])
-    np.testing.assert_allclose(h.prev_agree, [0, 0, 1, 1, 1, 0, 0, 1])
-    np.testing.assert_array_equal(h.n_resolved, [0, 0, 0, 0, 1, 3, 3, 3])
-    np.testing.assert_allclose(h.mean_label, [0, 0, 0, 0, 2, 4 / 3, 4 / 3, 4 / 3])
-    # the latest-positioned resolved draft: the one at 1 (label 2) at t=4, then the one at 4 (label 0)
-    np.testing.assert_array_equal(h.last_label, [0, 0, 0, 0, 2, 0, 0, 0])
-    np.testing.assert_allclose(h.agree_2, [0, 0, 0, 1, 0, 1, 0, 0])
-    np.testing.assert_allclose(h.agree_4, [0, 0, 0, 0, 0, 0.5, 0, 1])
-    np.testing.assert_array_equal(h.hit_streak, [0, 0, 1, 0, 1, 0, 0, 1])
-
-
-def test_dense_history_partial_agreement():
-    # one draft of 5 at position 0 with label 3: agreement seen so far is min(3, gap)/min(5, gap)
-    lengths = np.array([5, 0, 0, 0, 0, 0, 0])
-    labels = np.array([3, 0, 0, 0, 0, 0, 0])
-    h = dense_history(labels, lengths)
-    np.testing.assert_allclose(h.prev_agree, [0, 1, 1, 1, 3 / 4, 3 / 5, 3 / 5])
-    np.testing.assert_array_equal(h.prev_gap, [0, 1, 2, 3, 4, 5, 6])
-    # resolved once the mismatch at index 3 is realised: t = 0 + 4
-    np.testing.assert_array_equal(h.n_resolved, [0, 0, 0, 0, 1, 1, 1])
-    np.testing.assert_array_equal(h.last_label, [0, 0, 0, 0, 3, 3, 3])
-
-
-def test_dense_history_no_drafts_is_all_zero():
-    h = dense_history(np.zeros(6, dtype=np.int64), np.zeros(6, dtype=np.int64))
-    for field in dataclasses.fields(h):
-        assert not np.any(getattr(h, field.name)), field.name
-
-
-@st.composite
-def _history_case(draw):
-    n = draw(st.integers(1, 24))
-    lengths = np.array(draw(st.lists(st.sampled_from([0, 0, 1, 2, 3, 5, 8]), min_size=n, max_size=n)))
-    labels = np.array([draw(st.integers(0, k)) for k in lengths])
-    s = draw(st.integers(0, n - 1))
-    t = draw(st.integers(0, n - 1))
-    return lengths, labels, s, t, draw(st.integers(0, 8))
-
-
-@st.composite
-def _hidden_change(draw):
-    """A request, a draft position s, a time t and two labels a != b for s, both >= t - s."""
-    lengths, labels, s, _, _ = draw(_history_case())
-    n = len(lengths)
-    k = draw(st.integers(1, 8))
-    lengths[s] = k
-    t = s + draw(st.integers(-s, min(k - 1, n - 1 - s)))
-    lo = max(t - s, 0)
-    a, b = draw(st.lists(st.integers(lo, k), min_size=2, max_size=2, unique=True))
-    labels[s] = a
-    return lengths, labels, s, t, b
-
-
-@settings(max_examples=400, deadline=None, derandomize=True)
-@given(_hidden_change())
-def test_history_at_t_ignores_what_is_not_yet_known(case):
-    """Changing y_s from a to b, both >= t - s, cannot be observed by time t (out[:t] known):
-    the draft at s has shown at most t - s tokens, so the features at t are unchanged."""
-    lengths, labels, s, t, b = case
-    changed = labels.copy()
-    changed[s] = b
-    before, after = dense_history(labels, lengths), dense_history(changed, lengths)
-    for field in dataclasses.fields(before):
-        x, y = getattr(before, field.name)[t], getattr(after, field.name)[t]
-        assert x == y, (field.name, t, s, labels[s], b)
-
-
-def test_history_does_see_a_resolved_change():
-    """The converse, so the property above is not vacuous: once resolved, the label shows."""
-    lengths = np.array([4, 0, 0, 0, 0, 0])
-    before = dense_history(np.array([1, 0, 0, 0, 0, 0]), lengths)
-    after = dense_history(np.array([3, 0, 0, 0, 0, 0]), lengths)
-    assert before.mean_label[2] == 1 and after.mean_label[2] == 0  # label 1 resolved at t=2, label 3 not yet
-    assert before.prev_agree[2] == 0.5 and after.prev_agree[2] == 1.0
-
-
-@settings(max_examples=200, deadline=None, derandomize=True)
-@given(_history_case())
-def test_history_is_prefix_stable(case):
-    """Features at t do not depend on anything drafted at or after t: truncating the request there
-    leaves them unchanged (positions < t keep their values)."""
-    lengths, labels, _, t, _ = case
-    assume(t >= 1)
-    full = dense_history(labels, lengths)
-    cut = dense_history(labels[:t], lengths[:t])
-    for field in dataclasses.fields(full):
-        # n_resolved etc. count resolutions at <= position; the truncated run drops none before t
-        np.testing.assert_array_equal(getattr(full, field.name)[:t], getattr(cut, field.name), err_msg=field.name)
+def test_feature_matrix_hand_computed():
+    with_draft = DraftContext(
+        CacheDraft([3, 4, 1], [0.5, 0.25, 1.0], 1.75, match_len=4, tree=TREE_GLOBAL, other_score=0.5, other_len=2,
+                   trees_agree=1),
+        continues_prev=3, position=9, context_len=19, nesting=12, at_line_start=True, workload=1,
+        history=History(0.5, 3, True, 2.0, 1.5, 4, 1.0, 0.0, 7))
+    without = DraftContext(CacheDraft([], [], match_len=5), 0, 2, 12, -1, False, 0,
+                           History(0.0, 0, False, 0.0, 0.0, 0, 0.0, 0.0, 0))
+    x = feature_matrix([with_draft, without], CLASSES)
+    assert x.shape == (2, NUM_FEATURES) and x.dtype == np.float32
+    got = dict(zip(FEATURE_NAMES, x[0].tolist()))
+    expected = {
+        "match_len": 4, "draft_len": 3, "score": 1.75, "score_per_token": 1.75 / 3, "prob_min": 0.25,
+        "prob_mean": 1.75 / 3, "prob_first": 0.5, "prob_last": 1.0, "source_prompt": 0, "source_global": 1,
+        "log_position": np.log1p(9), "log_context_len": np.log1p(19), "draft_has_newline": 1,
+        "draft_has_bracket": 1, "draft_has_quote": 0, "draft_has_digit": 0, "nesting_depth": MAX_NESTING,
+        "at_line_start": 1, "prev_agree": 0.5, "log_prev_gap": np.log1p(3), "has_prev": 1, "last_label": 2,
+        "mean_label": 1.5, "log_n_resolved": np.log1p(4), "other_tree_score": 0.5, "other_tree_len": 2,
+        "trees_agree": 1 / 3, "continues_prev": 1, "agree_2": 1, "agree_4": 0, "log_hit_streak": np.log1p(7),
+        "first_token_newline": 1, "first_token_bracket_quote": 0,
+    } | {f"workload_{w}": float(i == 1) for i, w in enumerate(WORKLOADS)}
+    assert got == pytest.approx(expected)
+    # no draft: the draft's columns are 0 (a match that found nothing to draft included)
+    got = dict(zip(FEATURE_NAMES, x[1].tolist()))
+    assert got == pytest.approx({name: 0.0 for name in FEATURE_NAMES} | {
+        "log_position": np.log1p(2), "log_context_len": np.log1p(12), f"workload_{WORKLOADS[0]}": 1.0})

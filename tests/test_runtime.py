@@ -93,7 +93,7 @@ def test_hindsight_labels_with_batching_are_exact_lcps(records, tokenizer, gate,
     def spy(self, req_id, context, max_spec_tokens=None):
         d = original(self, req_id, context, max_spec_tokens)
         if d.length:
-            drafts[(req_id, len(context) - runtime.requests[req_id].prompt_len)] = d.token_ids
+            drafts[(req_id, len(context) - runtime.requests[req_id].hindsight.prompt_len)] = d.token_ids
         return d
 
     monkeypatch.setattr(CacheDrafter, "draft", spy)

@@ -66,6 +66,7 @@ class DecisionConfig:
         return self.initial_model_accepted_by_workload.get(workload, self.initial_model_accepted)
 
     def update_model_mean(self, mean: float, accepted: int) -> float:
+        """The running mean after one more model draft (the runtime's and the tau tuner's alike)."""
         return (1.0 - self.model_mean_decay) * mean + self.model_mean_decay * accepted
 
 

@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from controller.core.decision import (CACHE, MODEL, NONE, OFF_CACHE, OFF_MODEL, SOURCE_NAMES, DecisionConfig, decide,
-                                 fallback_sources, rule_thresholds)
+                                      fallback_sources, rule_thresholds)
 from controller.core.events import DRAFTER_CACHE, DRAFTER_MODEL, EventQueue, LabelledEvent
 from controller.core.request_state import CacheDraftRecord, ModelDraftRecord, RequestState
 from predictor.cache_drafter import CacheDrafter, SuffixConfig
-from predictor.features import DraftColumns, HistoryColumns, draft_features
+from predictor.features import NUM_FEATURES, DraftContext, feature_matrix
+from predictor.hindsight import Hindsight, TrackedDraft
 from predictor.mlp import GatePredictor
 from predictor.tokens import TokenClasses
 from predictor.traces import WORKLOADS
@@ -73,7 +74,7 @@ class Runtime:
                  events: EventQueue | None = None, version_id: int | None = None,
                  suffix: SuffixConfig | None = None, clock=time.time,
                  drafter_factory: Callable[[SuffixConfig | None], CacheDrafter] = CacheDrafter,
-                 dense_history: bool = True, stats_sink=None) -> None:
+                 shadow_drafts: bool = True, stats_sink=None) -> None:
         self.gate = gate
         self.version_id = version_id
         self.classes = classes
@@ -83,8 +84,7 @@ class Runtime:
         # Draft (in the shadow) at every output position, not only where steps land, so live
         # features match the dense replay the predictor learned from; costs one more suffix
         # lookup per accepted token.
-        self.dense_history = dense_history
-        self._deferred: list[tuple[RequestState, CacheDraftRecord]] = []
+        self.shadow_drafts = shadow_drafts
         # Tokens and cycles per (tenant, workload), handed to the statistics writer once per step.
         self.stats_sink = stats_sink
         self._emitted: dict[tuple[str, str], list[int]] = {}
@@ -108,38 +108,41 @@ class Runtime:
     def step(self, inputs: Sequence[RequestInput], finished: Sequence[str] = ()) -> StepPlan:
         for req_id in finished:
             self.finish(req_id)
+        for inp in inputs:
+            self._check(inp)
         n = len(inputs)
         self.stats.steps += 1
         speculating = self.decision.speculation_allowed(n)
-        rows = _DraftRows()
+        rows = _StepDrafts()
         main_row = np.full(n, -1, dtype=np.int64)  # the row of each request's draft at its current position
         states = []
         for i, inp in enumerate(inputs):
-            st = self._observe(inp, rows if (self.dense_history and inp.speculate and speculating) else None)
+            drafting = inp.speculate and speculating
+            st = self._observe(inp, rows, shadow=drafting and self.shadow_drafts)
             states.append(st)
-            if inp.speculate and speculating:
-                main_row[i] = self._draft_row(st, rows, shadow=False)
+            if drafting:
+                main_row[i] = self._draft(st, rows)
+        has_row = main_row >= 0
         lengths = np.zeros(n, dtype=np.int64)
         predicted = np.full(n, np.nan, dtype=np.float32)
-        if rows.count:
-            x = rows.features(self.classes)
-            row_pred = self.gate.predict(x)
-            has_row = main_row >= 0
-            lengths[has_row] = rows.lengths[main_row[has_row]]
-            predicted[has_row] = row_pred[main_row[has_row]]
+        x, row_pred = self._predict(rows)
+        lengths[has_row] = rows.lengths()[main_row[has_row]]
+        predicted[has_row] = row_pred[main_row[has_row]]
         allowed = np.array([st.speculate for st in states], dtype=bool) & speculating
         if self.decision.rule == "arctic":
             plan_source, tau = self._decide_arctic(rows, main_row, lengths, allowed)
         else:
             plan_source, tau = self._decide(states, predicted, lengths, allowed)
-        if rows.count:
-            self._record(rows, x, row_pred, main_row, plan_source, tau)
-        self._emit_deferred()
+        decision = ["shadow"] * len(rows)
+        row_tau = [float("nan")] * len(rows)
+        for i in np.flatnonzero(has_row).tolist():
+            decision[main_row[i]], row_tau[main_row[i]] = SOURCE_NAMES[int(plan_source[i])], float(tau[i])
+        self._record(rows, x, row_pred, decision, row_tau)
         for i, st in enumerate(states):
             self.stats.decisions[SOURCE_NAMES[int(plan_source[i])]] += 1
             if plan_source[i] == MODEL:
-                st.model_draft = ModelDraftRecord(st.output_len, self.decision.model_draft_len)
-        cache_drafts = [rows.drafts[main_row[i]] if main_row[i] >= 0 else [] for i in range(n)]
+                st.model_draft = ModelDraftRecord(st.hindsight.output_len, self.decision.model_draft_len)
+        cache_drafts = [rows.contexts[r].draft.token_ids if r >= 0 else [] for r in main_row.tolist()]
         drafts = [cache_drafts[i] if plan_source[i] == CACHE else [] for i in range(n)]
         self._report_emitted()
         return StepPlan([st.req_id for st in states], plan_source, drafts, predicted, tau, lengths, cache_drafts)
@@ -151,19 +154,18 @@ class Runtime:
         if st is None:
             return
         if len(last_tokens):
-            rows = _DraftRows() if self.dense_history and st.speculate else None
-            self._observe(RequestInput(req_id, last_tokens, None, st.tenant, st.workload, st.speculate), rows)
-            if rows is not None and rows.count:
-                x = rows.features(self.classes)
-                none = np.zeros(0, dtype=np.int64)
-                self._record(rows, x, self.gate.predict(x), none, none, none)
-            self._emit_deferred()
+            rows = _StepDrafts()
+            self._observe(RequestInput(req_id, last_tokens, None, st.tenant, st.workload, st.speculate), rows,
+                          shadow=self.shadow_drafts and st.speculate)
+            x, row_pred = self._predict(rows)
+            self._record(rows, x, row_pred, ["shadow"] * len(rows), [float("nan")] * len(rows))
             self._report_emitted()
         del self.requests[req_id]
         st.model_draft = None  # planned after the last token: never verified
-        for d in st.resolve(final=True):
-            if d.position < st.output_len:  # a draft made after the last token says nothing
-                self._emit_cache(st, d)
+        for tracked, label in st.hindsight.finish():
+            record = st.records.pop(tracked)
+            if record.position < st.hindsight.output_len:  # a draft made after the last token says nothing
+                self._emit_cache(st, record, label)
         self.drafter.stop(req_id)
 
     def reset_cache(self) -> None:
@@ -173,20 +175,26 @@ class Runtime:
         self.drafter = self._drafter_factory(self.drafter.config)
 
     # ---------------------------------------------------------------- internals
-    def _observe(self, inp: RequestInput, rows: "_DraftRows | None" = None) -> RequestState:
-        """Take in the tokens the request emitted since the last step. With `rows` (dense history),
-        the cache also drafts at each intermediate position, exactly as offline replay does, so the
-        features the gate sees do not depend on how many tokens each step emitted."""
+    def _check(self, inp: RequestInput) -> None:
+        """Refuse a bad request before the step changes anything."""
+        if inp.req_id in self.requests:
+            return
+        if inp.prompt is None:
+            raise RequestInputError(f"request {inp.req_id!r} seen for the first time without its prompt")
+        if inp.workload not in WORKLOADS:
+            raise RequestInputError(f"request {inp.req_id!r}: unknown workload {inp.workload!r}; known: {WORKLOADS}")
+
+    def _observe(self, inp: RequestInput, rows: "_StepDrafts", shadow: bool) -> RequestState:
+        """Take in the tokens the request emitted since the last step and label the drafts they
+        decide. With `shadow`, the cache also drafts at each intermediate position, exactly as
+        offline replay does, so the features the gate sees do not depend on how many tokens each
+        step emitted."""
         st = self.requests.get(inp.req_id)
         new = np.asarray(inp.new_tokens, dtype=np.int32)
         if st is None:
-            if inp.prompt is None:
-                raise RequestInputError(f"request {inp.req_id!r} seen for the first time without its prompt")
-            if inp.workload not in WORKLOADS:
-                raise RequestInputError(f"request {inp.req_id!r}: unknown workload {inp.workload!r}; known: {WORKLOADS}")
             prompt = np.asarray(inp.prompt, dtype=np.int32)
-            st = RequestState.create(inp.req_id, inp.tenant, inp.workload, WORKLOADS.index(inp.workload), prompt,
-                                     inp.speculate)
+            st = RequestState(inp.req_id, inp.tenant, inp.workload, inp.speculate,
+                              Hindsight(prompt, WORKLOADS.index(inp.workload), self.classes))
             self.requests[inp.req_id] = st
             self.drafter.start(inp.req_id, prompt)
             self.stats.requests_seen += 1
@@ -199,16 +207,45 @@ class Runtime:
             accepted = max(0, min(len(new) - 1, st.model_draft.draft_len))
             self._emit_model(st, st.model_draft, accepted)
             st.model_draft = None
-        steps = [new[j : j + 1] for j in range(len(new))] if rows is not None and len(new) > 1 else [new]
-        for j, chunk in enumerate(steps):
+        chunks = [new[j : j + 1] for j in range(len(new))] if shadow and len(new) > 1 else [new]
+        for j, chunk in enumerate(chunks):
             if len(chunk):
                 self.drafter.extend(inp.req_id, chunk)
-                st.append(chunk, self.classes.depth_delta)
-            for d in st.resolve():
-                self._emit_cache(st, d)
-            if rows is not None and j < len(steps) - 1:
-                self._draft_row(st, rows, shadow=True)
+            for tracked, label in st.hindsight.append(chunk):
+                record = st.records.pop(tracked, None)
+                if record is None:  # drafted in this step: labelled once the step has scored it
+                    rows.labelled.append((st, tracked, label))
+                else:
+                    self._emit_cache(st, record, label)
+            if shadow and j < len(chunks) - 1:
+                self._draft(st, rows)
         return st
+
+    def _draft(self, st: RequestState, rows: "_StepDrafts") -> int:
+        """Draft at the request's current position; the draft joins its history at once (later
+        positions of this step see it). Returns its row (-1: the cache had nothing)."""
+        d = self.drafter.draft(st.req_id, st.hindsight.tokens)
+        if not d.length:
+            return -1
+        return rows.add(st, st.hindsight.draft_context(d), st.hindsight.add(d))
+
+    def _predict(self, rows: "_StepDrafts") -> tuple[np.ndarray, np.ndarray]:
+        """The feature matrix of the step's drafts and the gate's predictions, one call for all."""
+        if not len(rows):
+            return np.zeros((0, NUM_FEATURES), dtype=np.float32), np.zeros(0, dtype=np.float32)
+        x = feature_matrix(rows.contexts, self.classes)
+        return x, self.gate.predict(x)
+
+    def _record(self, rows: "_StepDrafts", x: np.ndarray, predicted: np.ndarray, decision: list[str],
+                tau: list[float]) -> None:
+        """Each draft of the step gets its record, complete; the drafts this step both made and
+        labelled go out now."""
+        for r, (st, tracked) in enumerate(rows.owners):
+            st.records[tracked] = CacheDraftRecord(tracked.position, len(tracked.tokens), decision[r],
+                                                   float(predicted[r]), tau[r], self.version_id, x[r].tobytes())
+        self.stats.cache_drafts += len(rows)
+        for st, tracked, label in rows.labelled:
+            self._emit_cache(st, st.records.pop(tracked), label)
 
     def _decide(self, states: list[RequestState], predicted: np.ndarray, lengths: np.ndarray,
                 allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -237,52 +274,22 @@ class Runtime:
         source = decide(predicted, lengths, tau, fallback, allowed, off)
         return source, np.where(lengths > 0, tau, np.nan).astype(np.float32)
 
-    def _decide_arctic(self, rows: "_DraftRows", main_row: np.ndarray, lengths: np.ndarray,
+    def _decide_arctic(self, rows: "_StepDrafts", main_row: np.ndarray, lengths: np.ndarray,
                        allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The ArcticInference baseline: the cache draft iff its score reaches the model drafter's
         draft length, else the fallback; the gate's prediction is still logged, never used."""
         n = len(main_row)
         score = np.zeros(n, dtype=np.float64)
         has_row = main_row >= 0
-        if rows.count:
-            score[has_row] = rows.scores[main_row[has_row]]
+        score[has_row] = rows.scores()[main_row[has_row]]
         threshold = float(self.decision.model_draft_len)
         fallback = np.full(n, NONE if self.decision.fallback == "none" else MODEL, dtype=np.int8)
         source = decide(score, lengths, np.full(n, threshold - 1e-9), fallback, allowed)
         return source, np.where(lengths > 0, threshold, np.nan).astype(np.float32)
 
-    def _draft_row(self, st: RequestState, rows: "_DraftRows", shadow: bool) -> int:
-        """Draft at the request's current position; the draft joins its history at once (later
-        positions of this step see it), its features and prediction are filled in per batch."""
-        d = self.drafter.draft(st.req_id, st.context())
-        if not d.length:
-            return -1
-        prev = st.latest
-        cont = _lcp_tail(prev.tokens, st.output_len - prev.position, d.token_ids) if prev is not None else 0
-        record = CacheDraftRecord(st.output_len, d.token_ids, "shadow" if shadow else "", 0.0, float("nan"),
-                                  self.version_id, b"")
-        row = rows.add(st, d, cont, st.history(), record, self.classes)
-        st.add_draft(record)
-        return row
-
-    def _record(self, rows: "_DraftRows", x: np.ndarray, predicted: np.ndarray, main_row: np.ndarray,
-                plan_source: np.ndarray, tau: np.ndarray) -> None:
-        decision_of_row = {int(r): (SOURCE_NAMES[int(plan_source[i])], float(tau[i]))
-                           for i, r in enumerate(main_row) if r >= 0}
-        for r, record in enumerate(rows.records):
-            record.predicted = float(predicted[r])
-            record.features = x[r].tobytes()
-            if r in decision_of_row:
-                record.decision, record.tau = decision_of_row[r]
-        self.stats.cache_drafts += rows.count
-
-    def _emit_cache(self, st: RequestState, d: CacheDraftRecord) -> None:
-        if not d.features:  # labelled within the step that drafted it: wait for its features
-            self._deferred.append((st, d))
-            return
+    def _emit_cache(self, st: RequestState, d: CacheDraftRecord, label: int) -> None:
         self.events.put(LabelledEvent(self._clock(), st.tenant, st.workload, st.req_id, d.position, DRAFTER_CACHE,
-                                      d.decision, len(d.tokens), int(d.label), d.predicted, d.tau, d.version_id,
-                                      d.features))
+                                      d.decision, d.draft_len, label, d.predicted, d.tau, d.version_id, d.features))
 
     def _report_emitted(self) -> None:
         if self._emitted and self.stats_sink is not None:
@@ -290,11 +297,6 @@ class Runtime:
             for (tenant, workload), (tokens, cycles) in self._emitted.items():
                 self.stats_sink.add_steps(now, tenant, workload, self.version_id or 0, tokens, cycles)
         self._emitted = {}
-
-    def _emit_deferred(self) -> None:
-        deferred, self._deferred = self._deferred, []
-        for st, d in deferred:
-            self._emit_cache(st, d)
 
     def _emit_model(self, st: RequestState, m: ModelDraftRecord, accepted: int) -> None:
         self.stats.model_drafts += 1
@@ -313,55 +315,24 @@ class Controls:
     overrides: OverrideSnapshot = field(default_factory=OverrideSnapshot)
 
 
-class _DraftRows:
-    """Raw per-draft quantities of one step (main and shadow drafts), then one feature matrix."""
+class _StepDrafts:
+    """The cache drafts of one step (each request's own and the shadow drafts in between), in rows."""
 
     def __init__(self) -> None:
-        self.count = 0
-        self.drafts: list[list[int]] = []
-        self.records: list[CacheDraftRecord] = []
-        self._tokens: list[int] = []
-        self._probs: list[float] = []
-        self._scalar: list[tuple] = []  # score, match, source, other x4, position, context, nesting, line start, workload
-        self._history: list[tuple] = []
+        self.contexts: list[DraftContext] = []
+        self.owners: list[tuple[RequestState, TrackedDraft]] = []
+        self.labelled: list[tuple[RequestState, TrackedDraft, int]] = []  # drafts of this step labelled in it
 
-    def add(self, st: RequestState, d, cont: int, history: tuple, record: CacheDraftRecord,
-            classes: TokenClasses) -> int:
-        self.drafts.append(d.token_ids)
-        self.records.append(record)
-        self._tokens.extend(d.token_ids)
-        self._probs.extend(d.probs)
-        line_start = bool(classes.ends_line[st.out[-1]]) if st.out else False
-        self._scalar.append((d.score, d.match_len, d.source, d.other_score, d.other_len, d.trees_agree, cont,
-                             st.output_len, st.length, st.nesting, line_start, st.workload_index))
-        self._history.append(history)
-        self.count += 1
-        return self.count - 1
+    def __len__(self) -> int:
+        return len(self.contexts)
 
-    @property
+    def add(self, st: RequestState, context: DraftContext, tracked: TrackedDraft) -> int:
+        self.contexts.append(context)
+        self.owners.append((st, tracked))
+        return len(self.contexts) - 1
+
     def lengths(self) -> np.ndarray:
-        return np.fromiter((len(d) for d in self.drafts), dtype=np.int64, count=self.count)
+        return np.fromiter((c.draft.length for c in self.contexts), dtype=np.int64, count=len(self.contexts))
 
-    @property
     def scores(self) -> np.ndarray:
-        return np.fromiter((t[0] for t in self._scalar), dtype=np.float64, count=self.count)
-
-    def features(self, classes: TokenClasses) -> np.ndarray:
-        sc = np.array(self._scalar, dtype=np.float64)
-        hist = np.array(self._history, dtype=np.float64)
-        columns = DraftColumns(self.lengths, np.asarray(self._tokens, dtype=np.int32),
-                               np.asarray(self._probs, dtype=np.float32), sc[:, 0], sc[:, 1], sc[:, 2].astype(np.int8),
-                               sc[:, 3], sc[:, 4], sc[:, 5], sc[:, 6])
-        return draft_features(columns, positions=sc[:, 7], context_len=sc[:, 8], nesting=sc[:, 9],
-                              at_line_start=sc[:, 10], history=HistoryColumns(*(hist[:, j] for j in range(9))),
-                              workload=sc[:, 11].astype(np.int64), classes=classes)
-
-
-def _lcp_tail(prev: list[int], gap: int, cur: list[int]) -> int:
-    """Leading tokens of `cur` equal to the previous draft's part beyond what was realised since."""
-    tail = prev[gap:]
-    n = min(len(tail), len(cur))
-    for i in range(n):
-        if tail[i] != cur[i]:
-            return i
-    return n
+        return np.fromiter((c.draft.score for c in self.contexts), dtype=np.float64, count=len(self.contexts))

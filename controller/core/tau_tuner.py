@@ -54,7 +54,7 @@ class TauTuner:
 
     def observe_model(self, workload: str, accepted: int) -> None:
         s = self.state[workload]
-        s.mu_e = (1.0 - self.decision.model_mean_decay) * s.mu_e + self.decision.model_mean_decay * accepted
+        s.mu_e = self.decision.update_model_mean(s.mu_e, accepted)
 
     def observe_cache(self, batch: Batch, predicted: np.ndarray) -> None:
         near = np.abs(predicted - batch.tau) < NEAR

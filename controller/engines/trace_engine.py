@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from controller.core.decision import CACHE, MODEL
-from controller.core.runtime import RequestInput, Runtime
+from controller.core.runtime import RequestInput, Runtime, StepPlan
 from predictor.labels import lcp
 from predictor.profiles import DrafterProfile
 from predictor.trace_replay import deployments
@@ -65,8 +65,8 @@ def run_replay(runtime: Runtime, records: Sequence[TraceRecord], tokenizer: Trac
                oracle: bool = False) -> ReplayRun:
     """Serve `records` through `runtime` deployment by deployment; returns cycles and tokens per workload.
 
-    oracle=True replaces the gate's decision by perfect knowledge of each cache draft's accepted
-    length against the same tau: the upper bound for this serving setting (batching included)."""
+    oracle=True verifies by perfect knowledge of each cache draft's accepted length against the
+    plan's tau (see `_oracle_sources`): the upper bound for this serving setting (batching included)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     run = ReplayRun()
@@ -98,17 +98,16 @@ def run_replay(runtime: Runtime, records: Sequence[TraceRecord], tokenizer: Trac
                 x.started = True
             plan = runtime.step(inputs)
             run.steps += 1
-            if oracle:
-                _oracle_decisions(plan, live)
+            source = _oracle_sources(plan, live) if oracle else plan.source
             for i, x in enumerate(live):
                 t = x.emitted
                 tally = run.by_workload[x.record.workload]
-                if plan.source[i] == CACHE:
-                    draft = plan.drafts[i]
+                if source[i] == CACHE:
+                    draft = plan.cache_drafts[i]
                     accepted = lcp(draft, x.out[t : t + len(draft)].tolist())
                     tally.cache_cycles += 1
                     tally.wasted += len(draft) - accepted
-                elif plan.source[i] == MODEL:
+                elif source[i] == MODEL:
                     accepted = min(model_draft_accepted(drafter, seed, x.record.trace_id, t, x.record.workload), runtime.decision.model_draft_len)
                     tally.model_cycles += 1
                     tally.wasted += runtime.decision.model_draft_len - accepted
@@ -126,15 +125,21 @@ def run_replay(runtime: Runtime, records: Sequence[TraceRecord], tokenizer: Trac
     return run
 
 
-def _oracle_decisions(plan, live: list[_Live]) -> None:
-    """Verify a cache draft iff its true accepted length beats the plan's tau; else the plan's
-    fallback (the model drafter, or nothing where the runtime chose none)."""
+def _oracle_sources(plan: StepPlan, live: list[_Live]) -> np.ndarray:
+    """What the oracle verifies instead of the plan: a cache draft iff its true accepted length beats
+    the plan's tau; a cache draft the plan chose but the oracle rejects gives way to the model
+    drafter; elsewhere the plan's choice stands.
+
+    The runtime is not told: its events and its live model-drafter mean follow its own plan (a step
+    it planned for the model drafter counts what the step accepted, whoever drafted it)."""
+    source = plan.source.copy()
     for i, x in enumerate(live):
         draft = plan.cache_drafts[i]
         if not draft or not np.isfinite(plan.tau[i]):
             continue
         y = lcp(draft, x.out[x.emitted : x.emitted + len(draft)].tolist())
         if y > plan.tau[i]:
-            plan.source[i], plan.drafts[i] = CACHE, draft
-        elif plan.source[i] == CACHE:
-            plan.source[i], plan.drafts[i] = MODEL, []
+            source[i] = CACHE
+        elif source[i] == CACHE:
+            source[i] = MODEL
+    return source
