@@ -14,6 +14,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Self
 
 log = logging.getLogger("hvd.services")
 
@@ -77,7 +78,7 @@ class BackgroundService:
         """Do what is pending now; True if nothing is left."""
         return True
 
-    def start(self):
+    def start(self) -> Self:
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
         self._thread.start()
@@ -101,11 +102,9 @@ class BackgroundService:
         self.failures += 1
         self.last_error = first_line(exc)
 
-    def succeeded(self) -> float:
-        """Note a success; the delay before the next round."""
+    def succeeded(self) -> None:
         self.retry.succeeded()
         self.last_success = time.time()
-        return self.interval
 
     def _loop(self) -> None:
         delay = 0.0 if self.run_at_start else self.interval
