@@ -25,7 +25,6 @@ class ControlPoller(BackgroundService):
         super().__init__(interval, max_backoff=interval)  # keep polling at the interval while it is down
         self.engine = engine
         self.runtime = runtime
-        self.reloads = 0
 
     def poll_once(self) -> bool:
         """One refresh; False (and the old snapshot kept) if the database could not be read."""
@@ -37,7 +36,6 @@ class ControlPoller(BackgroundService):
             if current is not None and current.id != self.runtime.version_id:
                 version_id, gate = load_gate(self.engine, current.id)
                 self.runtime.set_gate(gate, version_id)
-                self.reloads += 1
         except (SQLAlchemyError, StorageError, BlobError) as exc:
             self.failed(exc)
             return False

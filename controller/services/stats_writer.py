@@ -33,8 +33,6 @@ class StatsWriter(BackgroundService):
         self.engine = engine  # swappable (e.g. after a failover)
         self.max_pending_keys = max_pending_keys
         self.bucket_seconds = bucket_seconds
-        self.flushes = 0  # successful flushes that wrote something
-        self.written_keys = 0
         self.dropped_keys = 0
         self._pending: dict[BucketKey, BucketDelta] = {}
         self._lock = threading.Lock()  # guards _pending and the counters above
@@ -59,11 +57,6 @@ class StatsWriter(BackgroundService):
     def pending_keys(self) -> int:
         with self._lock:
             return len(self._pending)
-
-    def pending(self) -> dict[BucketKey, BucketDelta]:
-        """A copy of the deltas not yet written."""
-        with self._lock:
-            return merge_deltas({}, self._pending)
 
     def _bound(self) -> None:
         # dicts keep insertion order: the first keys are the oldest.
@@ -92,9 +85,6 @@ class StatsWriter(BackgroundService):
                     self._bound()
                     self.failed(exc)
                 return False
-            with self._lock:
-                self.flushes += 1
-                self.written_keys += len(batch)
             self.succeeded()
             return True
 
