@@ -3,9 +3,10 @@ through one parser, as vLLM's `envs.py` keeps its own.
 
 Values are checked where they are read: a bad value raises `SettingsError` naming the variable and
 what it accepts, before any engine state is built. An unset or empty variable takes its default.
-The README's settings list is checked against this table by a test. Two variables are read below
-the controller, which cannot import it (`HVD_TOKENIZER` in predictor/tokens.py, `HVD_ADMIN_TOKEN`
-in the dashboard); they are listed here so the table stays the one list of what can be set.
+The README's settings list is checked against this table by a test. Three variables are also read
+below the controller, which those layers cannot import (`HVD_DATABASE_URL` in storage/settings.py,
+`HVD_TOKENIZER` in predictor/tokens.py, `HVD_ADMIN_TOKEN` in the dashboard); they are listed here
+so the table stays the one list of what can be set.
 """
 from __future__ import annotations
 
