@@ -17,7 +17,7 @@ from predictor.trace_replay import ReplayResult
 from predictor.trace_replay_cache import DEFAULT_CACHE_DIR, cached_replay, replay_key
 from predictor.split import test_mask
 from predictor.tokens import TraceTokenizer
-from predictor.traces import WORKLOADS, LoadReport, TraceRecord, bundled_traces_path, load_traces
+from predictor.traces import DEFAULT_MAX_RECORD_BYTES, WORKLOADS, LoadReport, TraceRecord, bundled_traces_path, load_traces
 from predictor.training import TrainConfig, train_mlp
 from storage.engine import session_scope
 from storage.versions import create_version, get_alias_version, set_alias
@@ -42,9 +42,10 @@ class Dataset:
 
 
 def build_dataset(paths: Sequence[str | Path] | None = None, skip_bad: bool = False, test_fraction: float = 0.25,
-                  seed: int = 0, cache_dir: Path | None = DEFAULT_CACHE_DIR, log: Log = print) -> Dataset:
+                  seed: int = 0, cache_dir: Path | None = DEFAULT_CACHE_DIR, log: Log = print,
+                  max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Dataset:
     paths = list(paths) if paths else [bundled_traces_path()]
-    records, report = load_traces(paths, skip_bad=skip_bad)
+    records, report = load_traces(paths, skip_bad=skip_bad, max_record_bytes=max_record_bytes)
     if report.skipped:
         log(f"skipped {report.skipped} bad record(s); first: {report.errors[0]}")
     if not records:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from controller.cli import overrides as cli_overrides
 from controller.core.decision import BACKOFFS, FALLBACKS
+from predictor.traces import DEFAULT_MAX_RECORD_BYTES
 
 DESCRIPTION = """Hybrid Verified Decoding: a learned gate that decides, per decoding step, whether to verify
 the suffix cache's draft or fall back to a model drafter.
@@ -24,6 +25,8 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--traces", nargs="+", metavar="PATH",
                         help="trace files (.jsonl, .jsonl.gz, .jsonl.xz) or folders of them; default: the bundled set")
         sp.add_argument("--skip-bad", action="store_true", help="skip and count malformed records instead of stopping")
+        sp.add_argument("--max-record-bytes", type=int, default=DEFAULT_MAX_RECORD_BYTES, metavar="N",
+                        help=f"refuse (with --skip-bad: skip and count) trace lines over N bytes (default {DEFAULT_MAX_RECORD_BYTES})")
         sp.add_argument("--test-fraction", type=float, default=0.25, help="share of each source held out (default 0.25)")
         sp.add_argument("--seed", type=int, default=0, help="seed for the split, training and simulation (default 0)")
         sp.add_argument("--no-cache", action="store_true", help="replay from scratch instead of reusing var/cache")
@@ -124,7 +127,7 @@ def _dataset(args: argparse.Namespace):
     from predictor.warmstart import build_dataset
 
     return build_dataset(args.traces, skip_bad=args.skip_bad, test_fraction=args.test_fraction, seed=args.seed,
-                         cache_dir=None if args.no_cache else DEFAULT_CACHE_DIR)
+                         cache_dir=None if args.no_cache else DEFAULT_CACHE_DIR, max_record_bytes=args.max_record_bytes)
 
 
 def _warmstart(args: argparse.Namespace, engine) -> int:
