@@ -4,24 +4,47 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event, text
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from storage.errors import StorageError
+from storage.settings import Timeouts
 
 SQLITE_BUSY_TIMEOUT_MS = 5000
 
 
 def masked_url(url: str | Engine) -> str:
     """Render a URL safe for logs and error messages (password replaced by ***)."""
-    parsed = url.url if isinstance(url, Engine) else make_url(url)
+    try:
+        parsed = url.url if isinstance(url, Engine) else make_url(url)
+    except (ArgumentError, ValueError, TypeError):
+        return repr(str(url).rsplit("@", 1)[-1][:200])  # not a URL: show no credentials, no control characters
     return parsed.render_as_string(hide_password=True)
+
+
+def connect_args(url: URL, timeouts: Timeouts) -> dict[str, Any]:
+    """Driver arguments that bound every wait: connect timeout everywhere, statement timeout on
+    PostgreSQL (server side). Settings already in the URL win; PostgreSQL ``options`` from the URL
+    (e.g. ``-csearch_path=...``) are kept, since connect_args would replace them."""
+    if url.get_backend_name() == "sqlite":
+        return {"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}
+    if url.get_backend_name() != "postgresql" or url.get_driver_name() not in ("psycopg2", "psycopg"):
+        return {}
+    args: dict[str, Any] = {}
+    if "connect_timeout" not in url.query:
+        args["connect_timeout"] = max(2, math.ceil(timeouts.connect_s))  # libpq: whole seconds, 1 means 2
+    options = url.query.get("options", "")
+    options = " ".join(options) if isinstance(options, tuple) else options
+    if timeouts.statement_s > 0 and "statement_timeout" not in options:
+        args["options"] = f"{options} -c statement_timeout={round(timeouts.statement_s * 1000)}".strip()
+    return args
 
 
 def _sqlite_on_connect(dbapi_conn: Any, _record: Any) -> None:
@@ -36,8 +59,13 @@ def _sqlite_on_connect(dbapi_conn: Any, _record: Any) -> None:
         cur.close()
 
 
-def make_engine(url: str) -> Engine:
-    """Create an engine and prove it can connect, so misconfiguration fails early and legibly."""
+def make_engine(url: str, timeouts: Timeouts | None = None) -> Engine:
+    """Create an engine and prove it can connect, so misconfiguration fails early and legibly.
+
+    ``timeouts`` default to :meth:`Timeouts.from_env` ($HVD_DB_CONNECT_TIMEOUT,
+    $HVD_DB_STATEMENT_TIMEOUT, in seconds).
+    """
+    timeouts = Timeouts.from_env() if timeouts is None else timeouts
     try:
         engine = create_engine(
             url,
@@ -45,8 +73,9 @@ def make_engine(url: str) -> Engine:
             # store text other tools cannot parse.  Fail loudly instead.
             json_serializer=functools.partial(json.dumps, allow_nan=False),
             pool_pre_ping=True,
+            connect_args=connect_args(make_url(url), timeouts),
         )
-    except (SQLAlchemyError, ImportError, ValueError) as exc:
+    except (SQLAlchemyError, ImportError, ValueError, TypeError) as exc:
         raise StorageError(f"invalid database URL {masked_url(url)}: {exc}") from exc
     if engine.dialect.name == "sqlite":
         event.listen(engine, "connect", _sqlite_on_connect)

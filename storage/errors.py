@@ -7,6 +7,14 @@ class StorageError(Exception):
     """Anything the storage layer refuses or cannot do, with a readable reason."""
 
 
+class FieldError(StorageError, ValueError):
+    """A value refused before it reaches SQL; ``field`` names it and so does the message."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(message)
+
+
 class CorruptBlobError(StorageError):
     """A stored model blob no longer matches the checksum recorded at write time."""
 

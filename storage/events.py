@@ -52,7 +52,7 @@ def record_health(session: Session, *, replica: str, queue_depth: int, events_wr
     """Upsert this replica's heartbeat row (one row per replica, overwritten)."""
     from storage.models import ReplicaHealth, utcnow
 
-    session.merge(ReplicaHealth(replica=replica[:128], updated_at=utcnow(), queue_depth=queue_depth,
+    session.merge(ReplicaHealth(replica=replica, updated_at=utcnow(), queue_depth=queue_depth,
                                 events_written=events_written, events_dropped=events_dropped, flush_ms=flush_ms))
 
 

@@ -1,4 +1,6 @@
-"""Typed ORM models.  Migration 0001 mirrors these exactly; a test enforces it."""
+"""Typed ORM models.  The migrations mirror these exactly; a test enforces it.
+
+Column lengths: see storage.limits (TEXT where the value has no natural bound)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from storage.limits import MAX_AUTHOR_LEN, MAX_TENANT_LEN, MAX_WORKLOAD_LEN
 
 # Deterministic constraint names: required for SQLite batch migrations to find
 # constraints later, and keeps names identical across backends.
@@ -81,7 +85,7 @@ class PredictorVersion(Base):
     metrics: Mapped[dict[str, Any]] = mapped_column(JSON, nullable=False)
     training_summary: Mapped[dict[str, Any]] = mapped_column(JSON, nullable=False)
     reason: Mapped[str] = mapped_column(Text, nullable=False)
-    created_by: Mapped[str] = mapped_column(String(128), nullable=False)
+    created_by: Mapped[str] = mapped_column(Text, nullable=False)  # e.g. learner@<host>-<pid>
 
     def __repr__(self) -> str:
         return (
@@ -117,7 +121,7 @@ class AliasEvent(Base):
     )
     at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, default=utcnow)
     reason: Mapped[str] = mapped_column(Text, nullable=False)
-    actor: Mapped[str] = mapped_column(String(128), nullable=False)
+    actor: Mapped[str] = mapped_column(Text, nullable=False)
 
 
 class DecisionEvent(Base):
@@ -128,9 +132,9 @@ class DecisionEvent(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, index=True)
-    tenant: Mapped[str] = mapped_column(String(128), nullable=False)
-    workload: Mapped[str] = mapped_column(String(32), nullable=False)
-    request_id: Mapped[str] = mapped_column(String(128), nullable=False)
+    tenant: Mapped[str] = mapped_column(String(MAX_TENANT_LEN), nullable=False)
+    workload: Mapped[str] = mapped_column(String(MAX_WORKLOAD_LEN), nullable=False)
+    request_id: Mapped[str] = mapped_column(Text, nullable=False)  # from the client or trace: no bound
     position: Mapped[int] = mapped_column(Integer, nullable=False)
     drafter: Mapped[str] = mapped_column(String(16), nullable=False)  # whose draft is labelled: cache | model
     decision: Mapped[str] = mapped_column(String(16), nullable=False)  # what was verified: cache | model | none
@@ -149,18 +153,18 @@ class TauOverride(Base):
     __tablename__ = "tau_overrides"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    tenant: Mapped[str] = mapped_column(String(128), nullable=False, index=True)
-    workload: Mapped[str | None] = mapped_column(String(32), nullable=True)  # None: every workload of the tenant
+    tenant: Mapped[str] = mapped_column(String(MAX_TENANT_LEN), nullable=False, index=True)
+    workload: Mapped[str | None] = mapped_column(String(MAX_WORKLOAD_LEN), nullable=True)  # None: every workload of the tenant
     mode: Mapped[str] = mapped_column(String(16), nullable=False)  # fixed | bounds | off_model | off_cache
     tau: Mapped[float | None] = mapped_column(Float, nullable=True)
     tau_min: Mapped[float | None] = mapped_column(Float, nullable=True)
     tau_max: Mapped[float | None] = mapped_column(Float, nullable=True)
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
-    author: Mapped[str] = mapped_column(String(128), nullable=False)
+    author: Mapped[str] = mapped_column(String(MAX_AUTHOR_LEN), nullable=False)
     reason: Mapped[str] = mapped_column(Text, nullable=False)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, default=utcnow)
     cleared_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
-    cleared_by: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    cleared_by: Mapped[str | None] = mapped_column(String(MAX_AUTHOR_LEN), nullable=True)
     clear_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
@@ -172,13 +176,13 @@ class TauHistory(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, index=True)
-    workload: Mapped[str] = mapped_column(String(32), nullable=False)
+    workload: Mapped[str] = mapped_column(String(MAX_WORKLOAD_LEN), nullable=False)
     tau: Mapped[float] = mapped_column(Float, nullable=False)  # what the runtime uses (rule + correction)
     rule_tau: Mapped[float] = mapped_column(Float, nullable=False)
     correction: Mapped[float] = mapped_column(Float, nullable=False)
     model_mean_accepted: Mapped[float] = mapped_column(Float, nullable=False)
     reason: Mapped[str] = mapped_column(Text, nullable=False)
-    replica: Mapped[str] = mapped_column(String(64), nullable=False)
+    replica: Mapped[str] = mapped_column(Text, nullable=False)
 
 
 class StatBucket(Base):
@@ -190,8 +194,8 @@ class StatBucket(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     bucket_start: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, index=True)
-    tenant: Mapped[str] = mapped_column(String(128), nullable=False)
-    workload: Mapped[str] = mapped_column(String(32), nullable=False)
+    tenant: Mapped[str] = mapped_column(String(MAX_TENANT_LEN), nullable=False)
+    workload: Mapped[str] = mapped_column(String(MAX_WORKLOAD_LEN), nullable=False)
     predictor_version_id: Mapped[int] = mapped_column(Integer, nullable=False)  # 0: none
     cache_drafts: Mapped[int] = mapped_column(Integer, nullable=False, default=0)  # labelled cache drafts
     cache_verified: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
@@ -213,7 +217,7 @@ class DriftEvent(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, index=True)
-    workload: Mapped[str] = mapped_column(String(32), nullable=False)
+    workload: Mapped[str] = mapped_column(String(MAX_WORKLOAD_LEN), nullable=False)
     detector: Mapped[str] = mapped_column(String(32), nullable=False)
     detail: Mapped[dict[str, Any]] = mapped_column(JSON, nullable=False)
     predictor_version_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
@@ -225,7 +229,7 @@ class Lease(Base):
     __tablename__ = "leases"
 
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
-    holder: Mapped[str] = mapped_column(String(128), nullable=False)
+    holder: Mapped[str] = mapped_column(Text, nullable=False)
     expires_at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False)
 
 
@@ -234,7 +238,7 @@ class ReplicaHealth(Base):
 
     __tablename__ = "replica_health"
 
-    replica: Mapped[str] = mapped_column(String(128), primary_key=True)
+    replica: Mapped[str] = mapped_column(Text, primary_key=True)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False)
     queue_depth: Mapped[int] = mapped_column(Integer, nullable=False)
     events_written: Mapped[int] = mapped_column(Integer, nullable=False)

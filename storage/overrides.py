@@ -21,22 +21,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from datetime import datetime
+from dataclasses import dataclass, replace
+from datetime import datetime, timedelta
 from numbers import Real
 from typing import NamedTuple
 
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
-from storage.errors import StorageError
+from storage.errors import FieldError, StorageError
+from storage.limits import MAX_OVERRIDE_LIFETIME
 from storage.models import TauOverride, utcnow
+from storage.tenants import check_free_text, normalise_author, normalise_tenant
 
 MODES: tuple[str, ...] = ("fixed", "bounds", "off_model", "off_cache")
 TAU_MIN = -1.0  # below every prediction: always verify
 TAU_MAX = 24.0  # the longest draft: never verify
-MAX_NAME_LEN = 128  # tenant / author columns are String(128)
-MAX_WORKLOAD_LEN = 32
+MAX_UTC_OFFSET = timedelta(hours=14)  # the widest offset in use (UTC+14, Kiribati); beyond is a typo
 
 SOURCE_TENANT_WORKLOAD = "override:tenant+workload"
 SOURCE_TENANT = "override:tenant"
@@ -64,17 +65,28 @@ class OverrideSpec:
     reason: str = ""
 
 
-def _check_name(field: str, value: object, max_len: int | None = MAX_NAME_LEN) -> None:
-    if not isinstance(value, str) or not value.strip():
-        raise OverrideError(f"{field} must be a non-empty string, got {value!r}")
-    if max_len is not None and len(value) > max_len:
-        raise OverrideError(f"{field} is {len(value)} characters long; at most {max_len} allowed")
+def _name(field: str, value: object) -> str:
+    """The canonical tenant/author (storage.tenants), or OverrideError naming the field."""
+    try:
+        return normalise_tenant(value, field) if field == "tenant" else normalise_author(value, field)
+    except FieldError as exc:
+        raise OverrideError(str(exc)) from None
+
+
+def _reason(field: str, value: object) -> str:
+    try:
+        return check_free_text(value, field)
+    except FieldError as exc:
+        raise OverrideError(str(exc)) from None
 
 
 def _check_tau(field: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, Real):
-        raise OverrideError(f"{field} must be a number, got {value!r}")
-    v = float(value)
+        raise OverrideError(f"{field} must be a number, got {type(value).__name__}")
+    try:
+        v = float(value)
+    except (OverflowError, ValueError):
+        raise OverrideError(f"{field} = {value!r:.40} is outside [{TAU_MIN:g}, {TAU_MAX:g}]") from None
     if not math.isfinite(v):
         raise OverrideError(f"{field} is {v!r}; tau must be a finite number")
     if not TAU_MIN <= v <= TAU_MAX:
@@ -83,21 +95,48 @@ def _check_tau(field: str, value: object) -> None:
 
 def _check_aware(field: str, value: datetime) -> None:
     if not isinstance(value, datetime):
-        raise OverrideError(f"{field} must be a datetime, got {value!r}")
-    if value.tzinfo is None or value.utcoffset() is None:
+        raise OverrideError(f"{field} must be a datetime, got {type(value).__name__}")
+    offset = value.utcoffset()
+    if offset is None:
         raise OverrideError(f"{field} {value.isoformat()} is naive; a timezone-aware datetime is required")
+    if abs(offset) > MAX_UTC_OFFSET:
+        raise OverrideError(f"{field} {value.isoformat()} has a UTC offset beyond +-14:00")
 
 
-def validate_spec(spec: OverrideSpec, known_workloads: Sequence[str], now: datetime) -> None:
-    """Raise :class:`OverrideError` naming the first bad field; return None if the spec is storable."""
-    _check_name("tenant", spec.tenant)
-    if spec.workload is not None and spec.workload not in known_workloads:
+def _utc_naive(value: datetime) -> datetime | None:
+    """``value`` as naive UTC; None if that falls outside datetime's range (year 1 or 9999 plus an offset)."""
+    try:
+        return value.replace(tzinfo=None) - value.utcoffset()
+    except OverflowError:
+        return None
+
+
+def check_expiry(expires_at: datetime, now: datetime, field: str = "expires_at") -> None:
+    """An expiry must be aware, in the future and at most MAX_OVERRIDE_LIFETIME (~10 years) ahead:
+    a far-future date is a typo, and would overflow date arithmetic on the way to the database."""
+    _check_aware(field, expires_at)
+    _check_aware("now", now)
+    at, start = _utc_naive(expires_at), _utc_naive(now)
+    if at is None or start is None:
+        raise OverrideError(f"{field} {expires_at.isoformat()} is out of range (now is {now.isoformat()})")
+    if at <= start:
+        raise OverrideError(f"{field} {expires_at.isoformat()} is not in the future (now is {now.isoformat()})")
+    if at - start > MAX_OVERRIDE_LIFETIME:
+        raise OverrideError(f"{field} {expires_at.isoformat()} is more than {MAX_OVERRIDE_LIFETIME.days} days "
+                            f"ahead of now ({now.isoformat()}); an override lasts at most ~10 years")
+
+
+def validate_spec(spec: OverrideSpec, known_workloads: Sequence[str], now: datetime) -> OverrideSpec:
+    """The spec with tenant, author and reason in canonical form (storage.tenants), or
+    :class:`OverrideError` naming the first bad field."""
+    tenant = _name("tenant", spec.tenant)
+    if spec.workload is not None and (not isinstance(spec.workload, str) or spec.workload not in known_workloads):
         raise OverrideError(
-            f"workload {spec.workload!r} is unknown; expected one of {', '.join(known_workloads)} "
+            f"workload {spec.workload!r:.60} is unknown; expected one of {', '.join(known_workloads)} "
             "(or none for every workload of the tenant)"
         )
-    if spec.mode not in MODES:
-        raise OverrideError(f"mode {spec.mode!r} is unknown; expected one of {', '.join(MODES)}")
+    if not isinstance(spec.mode, str) or spec.mode not in MODES:
+        raise OverrideError(f"mode {spec.mode!r:.60} is unknown; expected one of {', '.join(MODES)}")
     if spec.mode == "fixed":
         if spec.tau is None:
             raise OverrideError("tau is required for mode 'fixed'")
@@ -110,7 +149,7 @@ def validate_spec(spec: OverrideSpec, known_workloads: Sequence[str], now: datet
         _check_tau("tau_min", spec.tau_min)
         _check_tau("tau_max", spec.tau_max)
         if spec.tau_min > spec.tau_max:
-            raise OverrideError(f"tau_min = {spec.tau_min:g} is greater than tau_max = {spec.tau_max:g}")
+            raise OverrideError(f"tau_min = {float(spec.tau_min):g} is greater than tau_max = {float(spec.tau_max):g}")
         if spec.tau is not None:
             raise OverrideError("tau is not allowed for mode 'bounds' (use tau_min/tau_max)")
     else:
@@ -118,14 +157,8 @@ def validate_spec(spec: OverrideSpec, known_workloads: Sequence[str], now: datet
             if getattr(spec, field) is not None:
                 raise OverrideError(f"{field} is not allowed for mode {spec.mode!r}: it turns the gate off")
     if spec.expires_at is not None:
-        _check_aware("expires_at", spec.expires_at)
-        _check_aware("now", now)
-        if spec.expires_at <= now:
-            raise OverrideError(
-                f"expires_at {spec.expires_at.isoformat()} is not in the future (now is {now.isoformat()})"
-            )
-    _check_name("author", spec.author)
-    _check_name("reason", spec.reason, max_len=None)
+        check_expiry(spec.expires_at, now)
+    return replace(spec, tenant=tenant, author=_name("author", spec.author), reason=_reason("reason", spec.reason))
 
 
 def _active_clause(now: datetime):
@@ -147,7 +180,7 @@ def set_override(
     """Validate and store ``spec``, replacing (clearing) any active override for the same key."""
     now = utcnow() if now is None else now
     _check_aware("now", now)
-    validate_spec(spec, known_workloads, now)
+    spec = validate_spec(spec, known_workloads, now)
     # Lock the rows we replace on PostgreSQL, so two concurrent replacements serialise.
     previous = list(
         session.scalars(
@@ -190,9 +223,7 @@ def clear_override(
     """Clear the active override for (tenant, workload); returns how many rows were cleared (>= 1)."""
     now = utcnow() if now is None else now
     _check_aware("now", now)
-    _check_name("tenant", tenant)
-    _check_name("author", author)
-    _check_name("reason", reason, max_len=None)
+    tenant, author, reason = _name("tenant", tenant), _name("author", author), _reason("reason", reason)
     rows = list(
         session.scalars(
             select(TauOverride).where(_key_clause(tenant, workload), _active_clause(now)).with_for_update()

@@ -1,34 +1,119 @@
-"""Where the database lives, resolved in one place so CLI, tests and services agree."""
+"""Where the database lives and how long to wait for it, resolved in one place so CLI, tests and
+services agree, and refused with one clear line when unusable."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+from storage.errors import StorageError
 
 # Relative on purpose: resolved against the working directory at connect time,
 # so running from a checkout keeps the data next to it.
 DEFAULT_DATABASE_URL = "sqlite:///var/hvd.db"
 ENV_VAR = "HVD_DATABASE_URL"
+CONNECT_TIMEOUT_ENV = "HVD_DB_CONNECT_TIMEOUT"
+STATEMENT_TIMEOUT_ENV = "HVD_DB_STATEMENT_TIMEOUT"
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+DEFAULT_STATEMENT_TIMEOUT_S = 120.0  # long enough for a dashboard query over a busy table
+
+
+class DatabaseUrlError(StorageError, ValueError):
+    """A database URL that cannot be used; the message is one line naming where it came from."""
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """How long a connection attempt (every backend) and one statement (PostgreSQL) may take, so a
+    frozen database makes commands fail instead of hanging. 0 disables the statement timeout."""
+
+    connect_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    statement_s: float = DEFAULT_STATEMENT_TIMEOUT_S
+
+    @classmethod
+    def from_env(cls) -> Timeouts:
+        return cls(_seconds(CONNECT_TIMEOUT_ENV, DEFAULT_CONNECT_TIMEOUT_S, minimum=1.0),
+                   _seconds(STATEMENT_TIMEOUT_ENV, DEFAULT_STATEMENT_TIMEOUT_S, minimum=0.0))
+
+
+def _seconds(name: str, default: float, minimum: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise StorageError(f"${name} = {raw!r} is not a number of seconds") from None
+    if not minimum <= value <= 86400:  # also refuses nan
+        raise StorageError(f"${name} = {raw!r} must be between {minimum:g} and 86400 seconds")
+    return value
 
 
 def database_url(explicit: str | None = None) -> str:
-    """Pick the URL (explicit > $HVD_DATABASE_URL > default).
+    """Pick the URL (explicit > $HVD_DATABASE_URL > default) and validate it (:func:`check_database_url`).
 
-    For SQLite files the parent directory is created, because SQLite reports a
-    missing directory as the unhelpful "unable to open database file".
+    An explicit or environment URL that is set but empty is refused, not replaced by the default:
+    ``--db ""`` silently writing to ./var/hvd.db is how data ends up in the wrong place.
     """
-    url = explicit or os.environ.get(ENV_VAR) or DEFAULT_DATABASE_URL
-    _ensure_sqlite_parent(url)
-    return url
+    if explicit is not None:
+        return check_database_url(explicit, "database URL")
+    env = os.environ.get(ENV_VAR)
+    if env is not None:
+        return check_database_url(env, f"${ENV_VAR}")
+    return check_database_url(DEFAULT_DATABASE_URL, "default database URL")
 
 
-def _ensure_sqlite_parent(url: str) -> None:
-    parsed = make_url(url)
-    if not parsed.drivername.startswith("sqlite"):
-        return
+def check_database_url(url: str, source: str = "database URL") -> str:
+    """``url`` if it can be used: parseable, a dialect and driver that are installed, and for a
+    SQLite file a directory that exists (created if missing) and is writable. Otherwise
+    :class:`DatabaseUrlError` with one line naming ``source``."""
+    if not isinstance(url, str) or not url.strip():
+        raise DatabaseUrlError(f"{source} is empty; give a SQLAlchemy URL such as {DEFAULT_DATABASE_URL}")
+    try:
+        parsed = make_url(url.strip())
+    except (ArgumentError, ValueError, TypeError):
+        raise DatabaseUrlError(f"{source} {_shown(url)} is not a SQLAlchemy URL "
+                               f"(expected e.g. {DEFAULT_DATABASE_URL} or postgresql+psycopg2://user@host/db)") from None
+    shown = parsed.render_as_string(hide_password=True)
+    try:
+        dialect = parsed.get_dialect()
+    except NoSuchModuleError:
+        raise DatabaseUrlError(f"{source} {shown}: unknown database dialect {parsed.drivername!r}") from None
+    try:
+        dialect.import_dbapi()
+    except ImportError as exc:
+        raise DatabaseUrlError(f"{source} {shown}: the driver for {parsed.drivername!r} is not installed "
+                               f"({exc}); e.g. postgresql+psycopg2:// uses psycopg2") from None
+    if dialect.name == "sqlite":
+        _check_sqlite_file(parsed, source, shown)
+    return url.strip()
+
+
+def _shown(url: str) -> str:
+    """A refused URL for an error message: repr (no control characters), credentials hidden."""
+    text = url if "@" not in url else "***@" + url.rsplit("@", 1)[1]
+    return repr(text[:200])
+
+
+def _check_sqlite_file(parsed: URL, source: str, shown: str) -> None:
     db = parsed.database
     if not db or db == ":memory:" or db.startswith("file:"):
         return
-    Path(db).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    path = Path(db).expanduser()
+    if path.is_dir():
+        raise DatabaseUrlError(f"{source} {shown}: {path} is a directory, not a database file")
+    # SQLite reports a missing directory as the unhelpful "unable to open database file".
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DatabaseUrlError(f"{source} {shown}: cannot create directory {path.parent}: "
+                               f"{exc.strerror or exc}") from None
+    # SQLite also writes a -wal and a -shm file next to the database: the directory must be writable.
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise DatabaseUrlError(f"{source} {shown}: directory {path.parent} is not writable")
+    if path.exists() and not os.access(path, os.R_OK | os.W_OK):
+        raise DatabaseUrlError(f"{source} {shown}: {path} is not readable and writable")

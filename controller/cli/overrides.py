@@ -11,18 +11,27 @@ from datetime import datetime, timedelta, timezone
 
 from predictor.traces import WORKLOADS
 from storage.engine import session_scope
+from storage.limits import MAX_OVERRIDE_LIFETIME
 from storage.overrides import (
+    MAX_UTC_OFFSET,
     OverrideError,
     OverrideSpec,
+    check_expiry,
     clear_override,
     list_overrides,
     override_state,
     set_override,
 )
 from storage.models import TauOverride, utcnow
+from storage.tenants import normalise_tenant
 
-_DURATION = re.compile(r"^\s*(\d+)\s*([smhdw])\s*$")
-_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+_DURATION = re.compile(r"^\s*(\d{1,15})\s*([smhdw])\s*$", re.ASCII)
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+MAX_EXPIRES_CHARS = 64  # longer than any ISO 8601 time with timezone
+# Widest printed column, in characters: longer values end in an ellipsis, so one hostile or long
+# tenant/reason cannot push every row off the screen.
+COLUMN_CAPS = {"id": 10, "tenant": 32, "workload": 10, "mode": 10, "tau": 14, "expires": 20, "author": 24,
+               "reason": 48, "state": 96}
 
 DESCRIPTION = """Override tau (the gate's threshold: verify a cache draft iff predicted accepted length > tau)
 for a tenant, or one workload of a tenant. A tenant+workload override beats a tenant override, which
@@ -67,18 +76,31 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def parse_expires(text: str, now: datetime) -> datetime:
-    """A duration (``30m``, ``2h``, ``7d``, ``1w``, ``45s``) from ``now``, or an ISO 8601 time with timezone."""
+    """A duration (``30m``, ``2h``, ``7d``, ``1w``, ``45s``) from ``now``, or an ISO 8601 time with
+    timezone; at most MAX_OVERRIDE_LIFETIME (~10 years) ahead, refused with an error naming --expires."""
+    shown = repr(text[:MAX_EXPIRES_CHARS]) + ("…" if len(text) > MAX_EXPIRES_CHARS else "")
     m = _DURATION.match(text)
     if m:
-        return now + timedelta(**{_UNITS[m.group(2)]: int(m.group(1))})
-    try:
-        when = datetime.fromisoformat(text.strip())
-    except ValueError:
-        raise OverrideError(
-            f"--expires {text!r} is neither a duration (30m, 2h, 7d) nor an ISO 8601 time"
-        ) from None
-    if when.tzinfo is None or when.utcoffset() is None:
-        raise OverrideError(f"--expires {text!r} has no timezone; add one, e.g. Z or +02:00")
+        seconds = int(m.group(1)) * _UNIT_SECONDS[m.group(2)]
+        if seconds > MAX_OVERRIDE_LIFETIME.total_seconds():
+            raise OverrideError(f"--expires {shown} is more than {MAX_OVERRIDE_LIFETIME.days} days from now; "
+                                "an override lasts at most ~10 years")
+        when = now + timedelta(seconds=seconds)
+    else:
+        try:
+            if len(text) > MAX_EXPIRES_CHARS:
+                raise ValueError
+            when = datetime.fromisoformat(text.strip())
+        except ValueError:
+            raise OverrideError(
+                f"--expires {shown} is neither a duration (30m, 2h, 7d) nor an ISO 8601 time"
+            ) from None
+        offset = when.utcoffset()
+        if offset is None:
+            raise OverrideError(f"--expires {shown} has no timezone; add one, e.g. Z or +02:00")
+        if abs(offset) > MAX_UTC_OFFSET:
+            raise OverrideError(f"--expires {shown} has a UTC offset beyond +-14:00")
+    check_expiry(when, now, field="--expires")
     return when.astimezone(timezone.utc)
 
 
@@ -121,11 +143,28 @@ def _fmt_state(row: TauOverride, now: datetime) -> str:
     return state
 
 
+def escape(value: str) -> str:
+    """``value`` with every non-printable character (control, escape, zero-width, separators) shown
+    as its Python escape (``\\x1b``, ``\\n``, ``\\u200b``), so stored text cannot drive the terminal."""
+    if value.isprintable():
+        return value
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape", "backslashreplace").decode("ascii")
+                   for ch in value)
+
+
+def cell(value: str, cap: int) -> str:
+    """``value`` escaped and cut to ``cap`` characters, the last one an ellipsis when cut."""
+    text = escape(value)
+    return text if len(text) <= cap else text[: cap - 1] + "…"
+
+
 def format_table(rows: list[TauOverride], now: datetime) -> str:
-    header = ("id", "tenant", "workload", "mode", "tau", "expires", "author", "reason", "state")
+    """One line per override, columns escaped and capped (COLUMN_CAPS), padded to the widest cell."""
+    header = tuple(COLUMN_CAPS)
     table = [header] + [
-        (str(r.id), r.tenant, r.workload or "*", r.mode, _fmt_value(r), _fmt_time(r.expires_at), r.author,
-         " ".join(r.reason.split()), _fmt_state(r, now))
+        tuple(cell(v, cap) for v, cap in zip(
+            (str(r.id), r.tenant, r.workload or "*", r.mode, _fmt_value(r), _fmt_time(r.expires_at), r.author,
+             " ".join(r.reason.split()), _fmt_state(r, now)), COLUMN_CAPS.values()))
         for r in rows
     ]
     widths = [max(len(line[i]) for line in table) for i in range(len(header) - 1)]
@@ -144,16 +183,17 @@ def run(args: argparse.Namespace, engine, now: datetime | None = None) -> int:
             row = set_override(session, spec, WORKLOADS, now=now)
             replaced = [r.id for r in list_overrides(session, include_inactive=True, now=now)
                         if r.clear_reason == f"replaced by #{row.id}"]
-            print(f"override #{row.id} set for tenant {row.tenant} workload {row.workload or '*'}: "
+            print(f"override #{row.id} set for tenant {escape(row.tenant)} workload {row.workload or '*'}: "
                   f"{row.mode} {_fmt_value(row)}, expires {_fmt_time(row.expires_at)}"
                   + (f" (replaces #{', #'.join(map(str, replaced))})" if replaced else ""))
         return 0
     if action == "clear":
         if args.workload is not None and args.workload not in WORKLOADS:
-            raise OverrideError(f"workload {args.workload!r} is unknown; expected one of {', '.join(WORKLOADS)}")
+            raise OverrideError(f"workload {args.workload!r:.60} is unknown; expected one of {', '.join(WORKLOADS)}")
         with session_scope(engine) as session:
             n = clear_override(session, args.tenant, args.workload, args.author, args.reason, now=now)
-        print(f"cleared {n} override{'s' if n != 1 else ''} for tenant {args.tenant} workload {args.workload or '*'}")
+        print(f"cleared {n} override{'s' if n != 1 else ''} for tenant {escape(normalise_tenant(args.tenant))} "
+              f"workload {args.workload or '*'}")
         return 0
     if action == "list":
         with session_scope(engine) as session:
