@@ -25,6 +25,13 @@ def test_off_unless_enabled(monkeypatch):
         vllm_plugin.register()
 
 
+def test_a_bad_setting_stops_registration(monkeypatch):
+    monkeypatch.setenv(vllm_plugin.ENV_ENABLE, "1")
+    monkeypatch.setenv("HVD_BACKOFF", "pause")
+    with pytest.raises(SettingsError, match=r"HVD_BACKOFF='pause' is not valid: expected one of \('none', 'cache_only'\)"):
+        vllm_plugin.register()
+
+
 def test_refuses_a_vllm_it_was_not_built_for(monkeypatch):
     import vllm
 

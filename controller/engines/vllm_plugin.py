@@ -30,7 +30,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-from controller.settings import SettingsError, read
+from controller.settings import ServingSettings, SettingsError, read
 
 if TYPE_CHECKING:
     from controller.core.runtime import Runtime
@@ -50,10 +50,11 @@ def enabled() -> bool:
 
 def register() -> None:
     """The entry point vLLM calls once per process, before building a model runner: with HVD_HYBRID
-    on, check the vLLM version and patch the runner; otherwise nothing."""
+    on, check the vLLM version and every setting, and patch the runner; otherwise nothing."""
     if not enabled():
         return
     check_version()
+    ServingSettings.from_env()  # a bad value stops vLLM now, not at its first decoding step
     install()
 
 
