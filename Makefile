@@ -69,9 +69,12 @@ eval: setup
 serve: setup
 	$(HVD) --db $(DB) serve --engine vllm $(ARGS)
 
-# The dashboard on the same database (admin edits need HVD_ADMIN_TOKEN set by the operator).
+# The dashboard on the same database (admin edits need HVD_ADMIN_TOKEN set by the operator), on this
+# machine only unless told otherwise: DASHBOARD_ADDRESS=0.0.0.0 to listen on every interface (put TLS
+# in front first: README, Dashboard); ARGS go to streamlit, e.g. ARGS="--server.port 8502".
+DASHBOARD_ADDRESS ?= 127.0.0.1
 dashboard: setup
-	HVD_DATABASE_URL=$(DB) $(VENV)/bin/streamlit run dashboard/app.py
+	HVD_DATABASE_URL=$(DB) $(VENV)/bin/streamlit run dashboard/app.py --server.address $(DASHBOARD_ADDRESS) $(ARGS)
 
 # Debian's Chromium for the real-browser test (Playwright drives it; no browser download).
 chromium:

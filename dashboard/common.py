@@ -1,8 +1,10 @@
 """Shared plumbing of the dashboard pages: the engine, the admin gate, empty-database handling."""
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -11,6 +13,7 @@ import streamlit as st
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
+from dashboard.token_gate import Outcome, TokenGate, Verdict
 from storage import dashboard_queries as q
 from storage.engine import make_engine, masked_url, session_scope
 from storage.errors import StorageError
@@ -82,6 +85,33 @@ class Admin:
         return "" if self.name else "Enter your admin name in the sidebar: every change records who made it."
 
 
+@st.cache_resource
+def token_gate() -> TokenGate:
+    """One per process, shared by every browser session (the process-wide limit on wrong tries)."""
+    return TokenGate()
+
+
+def _digest(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def check_token(typed: str, configured: str) -> Outcome:
+    """The gate's verdict on what this session typed. Streamlit reruns the page on every click with
+    the token still in its box: the same token is one try, not one per rerun, and a session that
+    typed the right one stays admitted through a lockout others caused."""
+    state = st.session_state
+    session = state.setdefault("_hvd_gate_session", secrets.token_hex(16))
+    digest = _digest(typed)
+    if state.get("_hvd_token_ok") == digest and hmac.compare_digest(digest, _digest(configured)):
+        return Outcome(Verdict.OK)
+    if state.get("_hvd_token_wrong") == digest:
+        return Outcome(Verdict.WRONG)
+    outcome = token_gate().attempt(session, typed, configured)
+    if outcome.verdict is not Verdict.LOCKED:
+        state["_hvd_token_ok" if outcome.verdict is Verdict.OK else "_hvd_token_wrong"] = digest
+    return outcome
+
+
 def admin_sidebar() -> Admin:
     """Sidebar inputs for the admin token and name; edits are allowed only with the right token."""
     configured = configured_token()
@@ -96,7 +126,11 @@ def admin_sidebar() -> Admin:
         return Admin(False, name.strip(), why)
     if not typed:
         return Admin(False, name.strip(), "Read-only: enter the admin token in the sidebar to make changes.")
-    if not hmac.compare_digest(typed.encode(), configured.encode()):
+    outcome = check_token(typed, configured)
+    if outcome.verdict is Verdict.LOCKED:
+        return Admin(False, name.strip(), "Read-only: too many wrong admin tokens; tokens are checked again in "
+                                          f"{max(1, round(outcome.retry_after_s / 60))} min.")
+    if outcome.verdict is Verdict.WRONG:
         return Admin(False, name.strip(), "Read-only: the admin token is wrong.")
     return Admin(True, name.strip(), "")
 

@@ -1,7 +1,7 @@
 """The Streamlit dashboard (streamlit.testing.v1.AppTest): every page renders a database filled by a
 real short serve, figures shown on hand-written rows are the ones worked out by hand, overrides made
 through the form reach the controller's resolution, rollback moves the champion, edits need the admin
-token, an empty database gets a helpful message."""
+token (and wrong tokens are rate-limited), an empty database gets a helpful message."""
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
@@ -14,6 +14,7 @@ from sqlalchemy import select  # noqa: E402
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
 from controller.cli.serve_traces import ReplayServeOptions, round_robin_sources, serve_replay  # noqa: E402
+from dashboard.token_gate import Limits, Outcome, TokenGate, Verdict  # noqa: E402
 from predictor.traces import load_traces  # noqa: E402
 from storage.engine import make_engine, session_scope  # noqa: E402
 from storage.migrate import upgrade  # noqa: E402
@@ -276,3 +277,78 @@ def test_database_without_tables_explains(tmp_path, monkeypatch):
     monkeypatch.setenv("HVD_DATABASE_URL", f"sqlite:///{tmp_path / 'fresh.db'}")
     at = run(page("overview"))
     assert any("hvd migrate" in w.value for w in at.warning)
+
+
+# ---------------------------------------------------------------- wrong admin tokens are rate-limited
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+LIMITS = Limits(session_failures=3, process_failures=5, window_s=60.0, lockout_s=300.0)
+
+
+def test_gate_locks_a_session_after_its_wrong_tries_and_compares_nothing_meanwhile():
+    clock = FakeClock()
+    gate = TokenGate(LIMITS, clock)
+    assert gate.attempt("a", TOKEN, TOKEN) == Outcome(Verdict.OK)
+    assert [gate.attempt("a", f"guess{i}", TOKEN).verdict for i in range(3)] == [Verdict.WRONG] * 3
+    clock.now += 10
+    assert gate.attempt("a", TOKEN, TOKEN) == Outcome(Verdict.LOCKED, 290.0)  # even the right token
+    assert gate.attempt("b", TOKEN, TOKEN) == Outcome(Verdict.OK)  # other sessions are not locked
+    clock.now += 290
+    assert gate.attempt("a", TOKEN, TOKEN) == Outcome(Verdict.OK)
+
+
+def test_gate_forgets_wrong_tries_older_than_the_window():
+    clock = FakeClock()
+    gate = TokenGate(LIMITS, clock)
+    for _ in range(4):  # 2 tries per minute never reach 3 within 60 s
+        gate.attempt("a", "x", TOKEN)
+        clock.now += 30.01
+    assert gate.attempt("a", TOKEN, TOKEN) == Outcome(Verdict.OK)
+
+
+def test_gate_locks_every_session_when_guesses_come_from_fresh_sessions():
+    clock = FakeClock()
+    gate = TokenGate(LIMITS, clock)
+    assert [gate.attempt(f"s{i}", "x", TOKEN).verdict for i in range(5)] == [Verdict.WRONG] * 5
+    assert gate.attempt("new", TOKEN, TOKEN) == Outcome(Verdict.LOCKED, 300.0)
+    clock.now += 300
+    assert gate.attempt("new", TOKEN, TOKEN) == Outcome(Verdict.OK)
+
+
+@pytest.fixture
+def small_gate(monkeypatch):
+    """A fresh process-wide gate with small limits for the page's own sessions."""
+    import dashboard.common as common
+
+    common.token_gate.clear()
+    monkeypatch.setattr(common, "TokenGate", lambda: TokenGate(LIMITS))
+    yield
+    common.token_gate.clear()
+
+
+def test_wrong_tokens_typed_in_the_sidebar_lock_the_page(db, monkeypatch, small_gate):
+    monkeypatch.setenv("HVD_ADMIN_TOKEN", TOKEN)
+    at = login(page("thresholds"), token="wrong-1")
+    for _ in range(3):  # reruns with the same wrong token in the box are one try, not one per rerun
+        assert any(i.value == "Read-only: the admin token is wrong." for i in run(at).info)
+    for guess in ("wrong-2", "wrong-3"):
+        at.text_input(key="admin_token").input(guess)
+        run(at)
+    at.text_input(key="admin_token").input(TOKEN)
+    run(at)
+    assert any("too many wrong admin tokens; tokens are checked again in 5 min" in i.value for i in at.info)
+    assert all(b.disabled for b in at.button)
+    admin = login(page("thresholds"))  # another session with the right token is let in...
+    assert not admin.text_input(key="set_tenant").disabled
+    for guess in ("a", "b"):  # ...and keeps its admission when fresh sessions trip the process-wide limit
+        login(page("thresholds"), token=guess)
+    assert any("too many wrong" in i.value for i in login(page("thresholds")).info)
+    assert not run(admin).text_input(key="set_tenant").disabled
