@@ -75,7 +75,8 @@ def test_valid_records_round_trip(tmp_path: Path, recs: list[TraceRecord], inter
 # "must be an object" check, gets exercised; strings include lone surrogates (json.dumps escapes them).
 KEYS = ["trace_id", "session_id", "turn", "source", "workload", "model", "run", "context", "output",
         "role", "content", "tool_calls", "function", "name", "arguments", "x"]
-any_text = st.text(st.characters(min_codepoint=0, max_codepoint=0x10FFFF), max_size=10)
+surrogates = st.integers(0xD800, 0xDFFF).map(chr)
+any_text = st.text(st.characters(min_codepoint=0, max_codepoint=0x10FFFF) | surrogates, max_size=10)
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | any_text | st.sampled_from(WORKLOADS + ("user",)),
     lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.sampled_from(KEYS) | any_text, kids, max_size=6),
@@ -104,7 +105,7 @@ def assert_only_format_errors(path: Path, n_lines: int, max_bytes: int = 1 << 20
     assert all(LINE_REF.search(e) for e in report.errors), report.errors
 
 
-@fast(200)
+@fast(150)
 @given(rows=st.lists(lines, min_size=1, max_size=6), max_bytes=st.sampled_from([8, 64, 1 << 20]))
 def test_any_lines_raise_only_format_errors_naming_file_and_line(tmp_path: Path, rows: list[bytes],
                                                                   max_bytes: int) -> None:
@@ -135,3 +136,29 @@ def test_containers_cut_anywhere_keep_a_prefix_of_the_records(tmp_path: Path, n:
     recs, report = load_traces([path], skip_bad=True)
     assert [r.trace_id for r in recs] == [f"cut:{i}" for i in range(1, len(recs) + 1)]
     assert report.skipped <= 1 and (report.skipped == 1 or len(recs) == n)
+
+
+STRING_FIELDS = ("trace_id", "session_id", "source", "model", "run", "context", "output")
+
+
+@fast(40)
+@given(name=st.sampled_from(STRING_FIELDS + ("message",)), head=st.text(max_size=5), bad=surrogates,
+       tail=st.text(max_size=5))
+def test_an_escaped_surrogate_anywhere_is_refused_naming_its_field(tmp_path: Path, name: str, head: str, bad: str,
+                                                                   tail: str) -> None:
+    """Escaped (json.dumps' default) it is valid JSON; raw, its bytes are not UTF-8, a line-level error."""
+    value = "x" + head + bad + tail
+    record: dict[str, object] = {"workload": "chat", "context": "c", "output": "o"}
+    if name == "message":
+        record["context"] = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": value}]
+    else:
+        record[name] = value
+    path = tmp_path / "junk.jsonl"
+    path.write_text(json.dumps(record) + "\n", encoding="ascii")
+    field = "context[1].content" if name == "message" else name
+    try:
+        load_traces([path])
+    except TraceFormatError as exc:
+        assert str(exc).startswith(f"{path}:1: field '{field}': character {1 + len(head)} is U+{ord(bad):04X}")
+    else:
+        raise AssertionError("a lone surrogate was accepted")
