@@ -7,10 +7,50 @@ from typing import Any
 from sqlalchemy import func, insert, select
 from sqlalchemy.orm import Session
 
+from storage.limits import MAX_TENANT_LEN, MAX_WORKLOAD_LEN
 from storage.models import DecisionEvent
 
 EVENT_COLUMNS = ("at", "tenant", "workload", "request_id", "position", "drafter", "decision", "draft_len",
                  "accepted", "predicted", "tau", "predictor_version_id", "features")
+# String columns and their limits (None: TEXT); the short internal ones are VARCHAR(16).
+_TEXT_LIMITS = {"tenant": MAX_TENANT_LEN, "workload": MAX_WORKLOAD_LEN, "request_id": None, "drafter": 16,
+                "decision": 16}
+
+
+def event_row_problem(row: dict[str, Any]) -> str | None:
+    """Why the database would refuse ``row`` (naming the field), or None if it can be stored.
+
+    Cheap enough for every row of a batch: an over-long tenant, NUL or a lone surrogate fails a
+    whole executemany on PostgreSQL (SQLite would store it), so a writer checks rows first and
+    sets aside only the ones that can never be written.
+    """
+    for field, limit in _TEXT_LIMITS.items():
+        value = row.get(field)
+        if not isinstance(value, str):
+            return f"{field} must be a string, got {type(value).__name__}"
+        if limit is not None and len(value) > limit:
+            return f"{field} is {len(value)} characters long; at most {limit} allowed"
+        if "\x00" in value:
+            return f"{field} contains NUL, which PostgreSQL cannot store"
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return f"{field} contains a lone surrogate, which UTF-8 cannot hold"
+    return None
+
+
+def split_storable(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[tuple[dict[str, Any], str]]]:
+    """``rows`` split into those the database can store and (row, reason) for those it never will."""
+    good: list[dict[str, Any]] = []
+    bad: list[tuple[dict[str, Any], str]] = []
+    for row in rows:
+        problem = event_row_problem(row)
+        if problem is None:
+            good.append(row)
+        else:
+            bad.append((row, problem))
+    return good, bad
 
 
 def insert_events(session: Session, rows: Sequence[dict[str, Any]]) -> int:

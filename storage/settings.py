@@ -56,13 +56,14 @@ def _seconds(name: str, default: float, minimum: float) -> float:
 def database_url(explicit: str | None = None) -> str:
     """Pick the URL (explicit > $HVD_DATABASE_URL > default) and validate it (:func:`check_database_url`).
 
-    An explicit or environment URL that is set but empty is refused, not replaced by the default:
-    ``--db ""`` silently writing to ./var/hvd.db is how data ends up in the wrong place.
+    An explicit URL that is empty is refused, not replaced by the default: ``--db ""`` silently
+    writing to ./var/hvd.db is how data ends up in the wrong place. An empty environment variable
+    counts as unset, as for every HVD_* variable (controller.settings).
     """
     if explicit is not None:
         return check_database_url(explicit, "database URL")
-    env = os.environ.get(ENV_VAR)
-    if env is not None:
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env:
         return check_database_url(env, f"${ENV_VAR}")
     return check_database_url(DEFAULT_DATABASE_URL, "default database URL")
 
@@ -110,8 +111,9 @@ def _check_sqlite_file(parsed: URL, source: str, shown: str) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise DatabaseUrlError(f"{source} {shown}: cannot create directory {path.parent}: "
-                               f"{exc.strerror or exc}") from None
+        blocker = next((p for p in (path.parent, *path.parent.parents) if p.exists()), None)
+        reason = f"{blocker} is not a directory" if blocker is not None and not blocker.is_dir() else exc.strerror
+        raise DatabaseUrlError(f"{source} {shown}: cannot create directory {path.parent}: {reason or exc}") from None
     # SQLite also writes a -wal and a -shm file next to the database: the directory must be writable.
     if not os.access(path.parent, os.W_OK | os.X_OK):
         raise DatabaseUrlError(f"{source} {shown}: directory {path.parent} is not writable")
