@@ -3,10 +3,11 @@ through one parser, as vLLM's `envs.py` keeps its own.
 
 Values are checked where they are read: a bad value raises `SettingsError` naming the variable and
 what it accepts, before any engine state is built. An unset or empty variable takes its default.
-The README's settings list is checked against this table by a test. Three variables are also read
-below the controller, which those layers cannot import (`HVD_DATABASE_URL` in storage/settings.py,
-`HVD_TOKENIZER` in predictor/tokens.py, `HVD_ADMIN_TOKEN` in the dashboard); they are listed here
-so the table stays the one list of what can be set.
+The README's settings list is checked against this table by a test. Some variables are also read
+below the controller, which those layers cannot import (`HVD_DATABASE_URL`, `HVD_DB_CONNECT_TIMEOUT`
+and `HVD_DB_STATEMENT_TIMEOUT` in storage/settings.py, `HVD_TOKENIZER` in predictor/tokens.py,
+`HVD_ADMIN_TOKEN` in the dashboard); they are listed here so the table stays the one list of what
+can be set.
 """
 from __future__ import annotations
 
@@ -111,6 +112,8 @@ class Setting:
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("HVD_HYBRID", parse_flag, False, "the vLLM plugin on (off: it imports and patches nothing)"),
     Setting("HVD_DATABASE_URL", text, None, "SQLAlchemy URL of the database (default sqlite:///var/hvd.db)"),
+    Setting("HVD_DB_CONNECT_TIMEOUT", number, 10.0, "seconds a database connection attempt may take"),
+    Setting("HVD_DB_STATEMENT_TIMEOUT", number, 120.0, "seconds one PostgreSQL statement may run (0: no limit)"),
     Setting("HVD_FALLBACK", one_of(_fallbacks), None, "model | none; default from the speculative method"),
     Setting("HVD_MODEL_DRAFT_LEN", positive_int, 3, "tokens per EAGLE3 draft (at most the method's K)"),
     Setting("HVD_COST_PROFILE", one_of(_cost_profiles), "cpu-smollm2", "step-cost profile of the goodput rule"),

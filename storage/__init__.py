@@ -4,6 +4,6 @@ Deliberately independent of the controller/predictor packages so it can be
 migrated and inspected without importing any ML code.
 """
 
-from storage.errors import CorruptBlobError, StorageError
+from storage.errors import CorruptBlobError, FieldError, StorageError
 
-__all__ = ["CorruptBlobError", "StorageError"]
+__all__ = ["CorruptBlobError", "FieldError", "StorageError"]

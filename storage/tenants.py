@@ -27,6 +27,8 @@ def normalise_name(value: object, field: str, max_len: int) -> str:
     """``value`` NFC-normalised and stripped, or :class:`FieldError` naming ``field`` and the reason."""
     if not isinstance(value, str):
         raise FieldError(field, f"{field} must be a string, got {type(value).__name__}")
+    if value.isascii() and value.isprintable() and 0 < len(value) <= max_len and value.strip() == value != "":
+        return value  # the usual case, per request: printable ASCII is already canonical
     for ch in value:  # before NFC: normalize() itself rejects nothing, but surrogates cannot be encoded
         if unicodedata.category(ch) == "Cs":
             raise FieldError(field, f"{field} contains a surrogate ({_describe(ch)}) at position {value.index(ch)}")
