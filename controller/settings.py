@@ -11,6 +11,7 @@ can be set.
 """
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -53,52 +54,19 @@ def text(raw: str) -> str:
     return raw
 
 
-def one_of(allowed: Callable[[], tuple[str, ...]]) -> Callable[[str], str]:
-    """A parser accepting the names `allowed()` returns (looked up when a value is read)."""
+def one_of(where: str) -> Callable[[str], str]:
+    """A parser accepting the names at `where` ("module:attribute": a tuple of names, or a function
+    returning a dict of them), imported when a value is read so this module stays light."""
 
     def parse(raw: str) -> str:
-        names = allowed()
+        module, attribute = where.split(":")
+        found = getattr(importlib.import_module(module), attribute)
+        names = tuple(found() if callable(found) else found)
         if raw not in names:
             raise ValueError(f"one of {names}")
         return raw
 
     return parse
-
-
-def _workloads() -> tuple[str, ...]:
-    from predictor.traces import WORKLOADS
-
-    return tuple(WORKLOADS)
-
-
-def _rules() -> tuple[str, ...]:
-    from controller.core.decision import RULES
-
-    return RULES
-
-
-def _backoffs() -> tuple[str, ...]:
-    from controller.core.decision import BACKOFFS
-
-    return BACKOFFS
-
-
-def _fallbacks() -> tuple[str, ...]:
-    from controller.core.decision import FALLBACKS
-
-    return FALLBACKS
-
-
-def _cost_profiles() -> tuple[str, ...]:
-    from predictor.profiles import cost_profiles
-
-    return tuple(cost_profiles())
-
-
-def _drafter_profiles() -> tuple[str, ...]:
-    from predictor.profiles import drafter_profiles
-
-    return tuple(drafter_profiles())
 
 
 @dataclass(frozen=True)
@@ -114,17 +82,22 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("HVD_DATABASE_URL", text, None, "SQLAlchemy URL of the database (default sqlite:///var/hvd.db)"),
     Setting("HVD_DB_CONNECT_TIMEOUT", number, 10.0, "seconds a database connection attempt may take"),
     Setting("HVD_DB_STATEMENT_TIMEOUT", number, 120.0, "seconds one PostgreSQL statement may run (0: no limit)"),
-    Setting("HVD_FALLBACK", one_of(_fallbacks), None, "model | none; default from the speculative method"),
+    Setting("HVD_FALLBACK", one_of("controller.core.decision:FALLBACKS"), None,
+            "model | none; default from the speculative method"),
     Setting("HVD_MODEL_DRAFT_LEN", positive_int, 3, "tokens per EAGLE3 draft (at most the method's K)"),
-    Setting("HVD_COST_PROFILE", one_of(_cost_profiles), "cpu-smollm2", "step-cost profile of the goodput rule"),
-    Setting("HVD_DRAFTER_PROFILE", one_of(_drafter_profiles), "eagle3-smollm2",
+    Setting("HVD_COST_PROFILE", one_of("predictor.profiles:cost_profiles"), "cpu-smollm2",
+            "step-cost profile of the goodput rule"),
+    Setting("HVD_DRAFTER_PROFILE", one_of("predictor.profiles:drafter_profiles"), "eagle3-smollm2",
             "model-drafter profile: the prior of its live per-workload acceptance"),
     Setting("HVD_MAX_RUNNING", positive_int, None, "back off speculation above this many running requests"),
-    Setting("HVD_BACKOFF", one_of(_backoffs), "none", "what backing off means: no speculation, or cache drafts only"),
+    Setting("HVD_BACKOFF", one_of("controller.core.decision:BACKOFFS"), "none",
+            "what backing off means: no speculation, or cache drafts only"),
     Setting("HVD_FIXED_TAU", number, None, "a fixed tau instead of the goodput rule"),
-    Setting("HVD_RULE", one_of(_rules), "gate", "gate: HVD; arctic: ArcticInference's score rule (the baseline)"),
+    Setting("HVD_RULE", one_of("controller.core.decision:RULES"), "gate",
+            "gate: HVD; arctic: ArcticInference's score rule (the baseline)"),
     Setting("HVD_EAGLE_WARM", parse_flag, False, "EAGLE drafts one token even in steps without a model draft"),
-    Setting("HVD_DEFAULT_WORKLOAD", one_of(_workloads), "chat", "workload of requests that name none"),
+    Setting("HVD_DEFAULT_WORKLOAD", one_of("predictor.traces:WORKLOADS"), "chat",
+            "workload of requests that name none"),
     Setting("HVD_DEFAULT_TENANT", text, "default", "tenant of requests that name none"),
     Setting("HVD_LEARN", parse_flag, True, "the replica holding the learner lock learns online"),
     Setting("HVD_TOKENIZER", text, None, "tokenizer.json (or its folder) of the trace tokenizer"),
