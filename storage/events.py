@@ -7,7 +7,7 @@ from typing import Any
 from sqlalchemy import func, insert, select
 from sqlalchemy.orm import Session
 
-from storage.limits import MAX_TENANT_LEN, MAX_WORKLOAD_LEN
+from storage.limits import MAX_TENANT_LEN, MAX_WORKLOAD_LEN, text_problem
 from storage.models import DecisionEvent
 
 EVENT_COLUMNS = ("at", "tenant", "workload", "request_id", "position", "drafter", "decision", "draft_len",
@@ -25,18 +25,9 @@ def event_row_problem(row: dict[str, Any]) -> str | None:
     sets aside only the ones that can never be written.
     """
     for field, limit in _TEXT_LIMITS.items():
-        value = row.get(field)
-        if not isinstance(value, str):
-            return f"{field} must be a string, got {type(value).__name__}"
-        if limit is not None and len(value) > limit:
-            return f"{field} is {len(value)} characters long; at most {limit} allowed"
-        if "\x00" in value:
-            return f"{field} contains NUL, which PostgreSQL cannot store"
-        if not value.isascii():
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                return f"{field} contains a lone surrogate, which UTF-8 cannot hold"
+        problem = text_problem(field, row.get(field), limit)
+        if problem is not None:
+            return problem
     return None
 
 

@@ -17,12 +17,14 @@ from typing import Protocol
 from sqlalchemy import delete, literal_column, select
 from sqlalchemy.orm import Session
 
+from storage.limits import MAX_TENANT_LEN, MAX_WORKLOAD_LEN, text_problem
 from storage.models import DecisionEvent, StatBucket
 
 BUCKET_SECONDS = 60
 LONG = 6  # a "long" draft accepts >= LONG tokens: the positive class of the gate's precision/recall
 HIST_BINS = 25  # accepted_hist labels 0..24 (24 = 24 or more)
 ALL = "*"  # tenant/workload of rows that are not about one tenant (dropped events)
+UNSTORABLE = "(unstorable)"  # tenant/workload of counts whose own name the database cannot hold
 UPSERT_CHUNK = 500  # rows per statement (SQLite's bound-parameter limit)
 
 KEY_COLUMNS = ("bucket_start", "tenant", "workload", "predictor_version_id")
@@ -164,6 +166,21 @@ def _hist_merge_sql(dialect: str) -> str:
     raise NotImplementedError(f"upsert_buckets supports postgresql and sqlite, not {dialect}")
 
 
+def storable_keys(deltas: Mapping[BucketKey, BucketDelta]) -> dict[BucketKey, BucketDelta]:
+    """``deltas`` with every tenant/workload the database cannot hold (too long, NUL, surrogate)
+    renamed UNSTORABLE and merged: the counts are kept and visible, and one bad name cannot make
+    every upsert fail forever. The edges normalise names first (storage.tenants), so this is rare."""
+    if all(text_problem("tenant", k[1], MAX_TENANT_LEN) is None and text_problem("workload", k[2], MAX_WORKLOAD_LEN)
+           is None for k in deltas):
+        return dict(deltas)
+    out: dict[BucketKey, BucketDelta] = {}
+    for (start, tenant, workload, version), d in deltas.items():
+        tenant = tenant if text_problem("tenant", tenant, MAX_TENANT_LEN) is None else UNSTORABLE
+        workload = workload if text_problem("workload", workload, MAX_WORKLOAD_LEN) is None else UNSTORABLE
+        merge_deltas(out, {(start, tenant, workload, version): d})
+    return out
+
+
 def upsert_buckets(session: Session, deltas: Mapping[BucketKey, BucketDelta]) -> int:
     """Add `deltas` to their rows (creating missing ones) in the session's transaction.
 
@@ -171,6 +188,7 @@ def upsert_buckets(session: Session, deltas: Mapping[BucketKey, BucketDelta]) ->
     writers lock rows in the same order (no deadlock between them on PostgreSQL). Returns the number
     of keys written. Atomic per row on both backends, so concurrent writers never lose an update.
     """
+    deltas = storable_keys(deltas)
     rows = []
     for key in sorted(deltas, key=lambda k: (k[0], k[1], k[2], k[3])):
         d = deltas[key]

@@ -341,3 +341,20 @@ def test_override_list_escapes_and_caps_stored_values(db: Engine) -> None:
     assert "\\x1b]0;pwned\\x07" in lines[1] and "a\\u202eb" in lines[1] and "line1 line2 \\x1b[31mred" in lines[1]
     assert len(lines[1]) <= sum(cli_overrides.COLUMN_CAPS.values()) + 2 * len(cli_overrides.COLUMN_CAPS)
     assert "…" in lines[1]
+
+
+def test_stats_with_unstorable_names_are_kept_under_one_visible_key(db: Engine) -> None:
+    """A tenant the database cannot hold must not make every stats upsert fail: its counts land
+    under UNSTORABLE, merged (one statement may not touch a row twice on PostgreSQL)."""
+    from storage.stats import UNSTORABLE, BucketDelta, read_buckets, upsert_buckets
+
+    start = datetime(2026, 12, 1, 8, 0, tzinfo=timezone.utc)
+    deltas = {(start, "acme", "chat", 0): BucketDelta(tokens=1),
+              (start, "t" * (MAX_TENANT_LEN + 1), "chat", 0): BucketDelta(tokens=10),
+              (start, "a\x00b", "chat", 0): BucketDelta(tokens=100),
+              (start, "acme", "w" * (MAX_WORKLOAD_LEN + 1), 0): BucketDelta(tokens=1000)}
+    with session_scope(db) as s:
+        assert upsert_buckets(s, deltas) == 3
+    with session_scope(db) as s:
+        assert {(b.tenant, b.workload): b.tokens for b in read_buckets(s)} == {
+            ("acme", "chat"): 1, (UNSTORABLE, "chat"): 110, ("acme", UNSTORABLE): 1000}
