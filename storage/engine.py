@@ -18,6 +18,7 @@ from storage.errors import StorageError
 from storage.settings import Timeouts
 
 SQLITE_BUSY_TIMEOUT_MS = 5000
+KEEPALIVE_USER_TIMEOUT_S = 60
 
 
 def masked_url(url: str | Engine) -> str:
@@ -30,8 +31,8 @@ def masked_url(url: str | Engine) -> str:
 
 
 def connect_args(url: URL, timeouts: Timeouts) -> dict[str, Any]:
-    """Driver arguments that bound every wait: connect timeout everywhere, statement timeout on
-    PostgreSQL (server side). Settings already in the URL win; PostgreSQL ``options`` from the URL
+    """Driver arguments that bound every wait: connect timeout everywhere, statement timeout and
+    dead-connection detection on PostgreSQL. Settings already in the URL win; PostgreSQL ``options`` from the URL
     (e.g. ``-csearch_path=...``) are kept, since connect_args would replace them."""
     if url.get_backend_name() == "sqlite":
         return {"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}
@@ -40,6 +41,13 @@ def connect_args(url: URL, timeouts: Timeouts) -> dict[str, Any]:
     args: dict[str, Any] = {}
     if "connect_timeout" not in url.query:
         args["connect_timeout"] = max(2, math.ceil(timeouts.connect_s))  # libpq: whole seconds, 1 means 2
+    # A server or network that vanishes mid-session: TCP keepalives find a dead idle peer in about a
+    # minute, and tcp_user_timeout drops a connection whose sent data goes unacknowledged, instead of
+    # the kernel's ~15 minutes of retransmissions.
+    for name, value in (("keepalives", 1), ("keepalives_idle", 30), ("keepalives_interval", 10),
+                        ("keepalives_count", 3), ("tcp_user_timeout", round(KEEPALIVE_USER_TIMEOUT_S * 1000))):
+        if name not in url.query:
+            args[name] = value
     options = url.query.get("options", "")
     options = " ".join(options) if isinstance(options, tuple) else options
     if timeouts.statement_s > 0 and "statement_timeout" not in options:

@@ -253,17 +253,23 @@ def test_cli_bad_db_is_one_line_exit_2(db_arg: str, message: str, capsys: pytest
 # --- timeouts ------------------------------------------------------------------------------------------
 
 
+KEEPALIVES = {"keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10, "keepalives_count": 3,
+              "tcp_user_timeout": 60000}
+
+
 def test_connect_args() -> None:
     t = Timeouts(connect_s=3.2, statement_s=1.5)
     assert connect_args(make_url("sqlite:///x.db"), t) == {"timeout": 5.0}
     assert connect_args(make_url("postgresql+psycopg2://u@h/d"), t) == {
-        "connect_timeout": 4, "options": "-c statement_timeout=1500"}
+        "connect_timeout": 4, "options": "-c statement_timeout=1500", **KEEPALIVES}
     # the URL's own options are kept; its own timeouts win
     assert connect_args(make_url("postgresql+psycopg2://u@h/d?options=-csearch_path%3Ds&connect_timeout=9"), t) == {
-        "options": "-csearch_path=s -c statement_timeout=1500"}
-    assert connect_args(make_url("postgresql+psycopg2://u@h/d?options=-c%20statement_timeout%3D5"), t) == {
-        "connect_timeout": 4}
-    assert connect_args(make_url("postgresql+psycopg2://u@h/d"), Timeouts(1, 0)) == {"connect_timeout": 2}
+        "options": "-csearch_path=s -c statement_timeout=1500", **KEEPALIVES}
+    assert connect_args(make_url("postgresql+psycopg2://u@h/d?options=-c%20statement_timeout%3D5&keepalives=0"),
+                        t) == {"connect_timeout": 4, **{k: v for k, v in KEEPALIVES.items() if k != "keepalives"}}
+    assert connect_args(make_url("postgresql+psycopg2://u@h/d"), Timeouts(1, 0)) == {"connect_timeout": 2,
+                                                                                  **KEEPALIVES}
+    assert connect_args(make_url("postgresql+pg8000://u@h/d"), t) == {}  # only libpq drivers take these
 
 
 def test_timeouts_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
