@@ -104,12 +104,12 @@ class CacheDrafter:
             best, other, tree = d_prompt, d_global, TREE_PROMPT
         else:
             best, other, tree = d_global, d_prompt, TREE_GLOBAL
-        token_ids = list(best.token_ids)
+        token_ids = best.token_ids  # each read of a native list is a fresh copy
         if not token_ids:
-            return CacheDraft([], [], match_len=int(best.match_len))
-        other_ids = list(other.token_ids)
-        return CacheDraft(token_ids, list(best.probs), float(best.score), int(best.match_len), tree,
-                          float(other.score), len(other_ids), lcp(token_ids, other_ids))
+            return CacheDraft([], [], match_len=best.match_len)
+        other_ids = other.token_ids
+        return CacheDraft(token_ids, best.probs, best.score, best.match_len, tree, other.score, len(other_ids),
+                          lcp(token_ids, other_ids))
 
 
 def _speculate_each_tree(cache: SuffixDecodingCache, req_id: Hashable, pattern: np.ndarray, *,

@@ -56,6 +56,10 @@ class DraftContext(NamedTuple):
     history: History
 
 
+_draft, _history = attrgetter("draft"), attrgetter("history")
+_token_ids, _probs = attrgetter("token_ids"), attrgetter("probs")
+
+
 class _Inputs:
     """A batch of DraftContexts as named columns, plus the drafts' tokens and probabilities laid
     end to end (rows without a draft have none)."""
@@ -66,17 +70,19 @@ class _Inputs:
     _context_numbers = attrgetter(*_CONTEXT)
 
     def __init__(self, rows: Sequence[DraftContext], classes: TokenClasses) -> None:
+        # map/attrgetter rather than comprehensions: replay gathers a row per output position
         n = self.n = len(rows)
-        drafts = [r.draft for r in rows]
+        drafts = list(map(_draft, rows))
         for names, values in ((self._DRAFT, map(self._draft_numbers, drafts)),
                               (self._CONTEXT, map(self._context_numbers, rows)),
-                              (History._fields, (r.history for r in rows))):
+                              (History._fields, map(_history, rows))):
             columns = np.fromiter(chain.from_iterable(values), dtype=np.float64, count=n * len(names))
             self.__dict__.update(zip(names, columns.reshape(n, len(names)).T))
-        self.lengths = np.fromiter((len(d.token_ids) for d in drafts), dtype=np.int64, count=n)
+        token_ids = list(map(_token_ids, drafts))
+        self.lengths = np.fromiter(map(len, token_ids), dtype=np.int64, count=n)
         self.has = self.lengths > 0
-        self.tokens = np.fromiter(chain.from_iterable(d.token_ids for d in drafts), dtype=np.int32)
-        self.probs = np.fromiter(chain.from_iterable(d.probs for d in drafts), dtype=np.float32)
+        self.tokens = np.fromiter(chain.from_iterable(token_ids), dtype=np.int32)
+        self.probs = np.fromiter(chain.from_iterable(map(_probs, drafts)), dtype=np.float32)
         self.firsts = (np.cumsum(self.lengths) - self.lengths)[self.has]  # where each draft starts
         self.lasts = self.firsts + self.lengths[self.has] - 1
         self.flags = classes.flags[self.tokens]

@@ -78,11 +78,14 @@ class Hindsight:
             grown = np.zeros(max(2 * len(self._buffer), end), dtype=np.int32)
             grown[: self._length] = self._buffer[: self._length]
             self._buffer = grown
-        self._buffer[self._length : end] = tokens
+        if len(new) == 1:  # the common case, and a scalar write is much cheaper than a slice's
+            self._buffer[self._length] = new[0]
+        else:
+            self._buffer[self._length : end] = tokens
         self._length = end
         out, depth, first_tokens = self.out, self._classes.depth_delta, self._first_tokens
         for token in new:
-            self.nesting += int(depth[token])
+            self.nesting += depth[token]
             self._streak = self._streak + 1 if first_tokens.pop(len(out), None) == token else 0
             out.append(token)
         return self._resolve(final=False) if self._pending else []
@@ -92,34 +95,14 @@ class Hindsight:
         return self._resolve(final=True)
 
     def draft_context(self, draft: CacheDraft) -> DraftContext:
-        """The draft just made at the current position, with all the gate may know about it."""
+        """The draft just made at the current position t, with all the gate may know about it."""
         t = len(self.out)
         prev = self._latest
         continues = 0
         if prev is not None and draft.token_ids:
             continues = lcp(prev.tokens[t - prev.position :], draft.token_ids)
-        at_line_start = bool(self._classes.ends_line[self.out[-1]]) if t else False
-        return DraftContext(draft, continues, t, self._length, self.nesting, at_line_start, self.workload,
-                            self.history())
-
-    def add(self, draft: CacheDraft) -> TrackedDraft:
-        """The draft made at the current position joins the history (later positions see it)."""
-        t = len(self.out)
-        d = TrackedDraft(t, draft.token_ids)
-        self._pending.append(d)
-        self._latest = d
-        self._first_tokens[t] = d.tokens[0]
-        recent = self._recent
-        recent[t] = d
-        while (oldest := next(iter(recent))) < t - _RECENT:  # in position order: forget from the front
-            del recent[oldest]
-        return d
-
-    def history(self) -> History:
-        t = len(self.out)
-        prev = self._latest
         two, four = self._recent.get(t - 2), self._recent.get(t - 4)
-        return History(
+        history = History(
             _agreement(prev, t) if prev is not None else 0.0,  # prev_agree
             t - prev.position if prev is not None else 0,  # prev_gap
             prev is not None,  # has_prev
@@ -130,6 +113,20 @@ class Hindsight:
             _agreement(four, t) if four is not None else 0.0,  # agree_4
             self._streak,  # hit_streak
         )
+        at_line_start = self._classes.ends_line[self.out[-1]] if t else False
+        return DraftContext(draft, continues, t, self._length, self.nesting, at_line_start, self.workload, history)
+
+    def add(self, draft: CacheDraft) -> TrackedDraft:
+        """The draft made at the current position joins the history (later positions see it)."""
+        t = len(self.out)
+        d = TrackedDraft(t, draft.token_ids)
+        self._pending.append(d)
+        self._latest = d
+        self._first_tokens[t] = d.tokens[0]
+        self._recent[t] = d
+        if len(self._recent) > _RECENT + 1:  # the oldest of 6 positions is < t - 4: never looked up again
+            del self._recent[next(iter(self._recent))]
+        return d
 
     def _resolve(self, final: bool) -> list[Labelled]:
         t = len(self.out)

@@ -38,11 +38,12 @@ def tokenizer_path() -> Path:
 
 @dataclass(frozen=True)
 class TokenClasses:
-    """Per-vocabulary-id lookup tables, so structure features are array lookups, not string work."""
+    """Per-vocabulary-id lookup tables, so structure features are lookups, not string work: an
+    array where drafts are looked up whole, lists where output tokens are looked up one by one."""
 
     flags: np.ndarray  # uint8 bit set per token id
-    depth_delta: np.ndarray  # int8: opening minus closing brackets in the token's text
-    ends_line: np.ndarray  # bool: the token's text ends with a newline
+    depth_delta: list[int]  # opening minus closing brackets in the token's text
+    ends_line: list[bool]  # the token's text ends with a newline
 
 
 class TraceTokenizer:
@@ -90,8 +91,8 @@ class TraceTokenizer:
     def classes(self) -> TokenClasses:
         size = self.vocab_size
         flags = np.zeros(size, dtype=np.uint8)
-        depth = np.zeros(size, dtype=np.int8)
-        ends_line = np.zeros(size, dtype=bool)
+        depth = [0] * size
+        ends_line = [False] * size
         for token_id in range(size):
             text = self._tok.decode([token_id], skip_special_tokens=False)
             f = 0

@@ -101,7 +101,7 @@ def _replay_one(drafter: CacheDrafter, record: TraceRecord, trace: int, tokenize
     drafter.start(req_id, prompt)
     request = Hindsight(prompt, WORKLOADS.index(record.workload), tokenizer.classes)
     rows: list[DraftContext] = []
-    labels = np.zeros(max(n - 1, 0), dtype=np.int16)
+    labels = [0] * max(n - 1, 0)  # per position t >= 1
     for t in range(n):
         token = out[t : t + 1]
         drafter.extend(req_id, token)
@@ -110,14 +110,16 @@ def _replay_one(drafter: CacheDrafter, record: TraceRecord, trace: int, tokenize
         if t + 1 < n:  # a draft after every output token but the last
             draft = drafter.draft(req_id, request.tokens)
             rows.append(request.draft_context(draft))
-            if draft.length:
+            if draft.token_ids:
                 request.add(draft)
     for d, y in request.finish():
         labels[d.position - 1] = y
     drafter.stop(req_id)
+    drafts = [r.draft for r in rows]
     return _TraceRows(trace, n, np.arange(1, max(n, 1), dtype=np.int32),
-                      np.fromiter((r.draft.length for r in rows), dtype=np.int16, count=len(rows)), labels,
-                      np.fromiter((r.draft.score for r in rows), dtype=np.float32, count=len(rows)),
+                      np.fromiter((len(d.token_ids) for d in drafts), dtype=np.int16, count=len(drafts)),
+                      np.array(labels, dtype=np.int16),
+                      np.fromiter((d.score for d in drafts), dtype=np.float32, count=len(drafts)),
                       feature_matrix(rows, tokenizer.classes))
 
 

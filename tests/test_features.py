@@ -38,7 +38,7 @@ def test_schema_hash_depends_on_names(monkeypatch):
 # ---------------------------------------------------------------- the columns, by hand
 
 CLASSES = TokenClasses(flags=np.array([0, 0, 0, NEWLINE, BRACKET], dtype=np.uint8),
-                       depth_delta=np.zeros(5, dtype=np.int8), ends_line=np.zeros(5, dtype=bool))
+                       depth_delta=[0] * 5, ends_line=[False] * 5)
 
 
 def test_feature_matrix_hand_computed():

@@ -14,8 +14,10 @@ from predictor.tokens import NEWLINE, TokenClasses
 # Token 1 is what the output realises at every position; a draft with label y is y ones, then twos.
 # Token 3 opens a bracket and ends a line, token 4 closes a bracket.
 CLASSES = TokenClasses(flags=np.array([0, 0, 0, NEWLINE, 0], dtype=np.uint8),
-                       depth_delta=np.array([0, 0, 0, 1, -1], dtype=np.int8),
-                       ends_line=np.array([False, False, False, True, False]))
+                       depth_delta=[0, 0, 0, 1, -1], ends_line=[False, False, False, True, False])
+
+
+NO_DRAFT = CacheDraft([], [])
 
 
 def draft(tokens: list[int]) -> CacheDraft:
@@ -29,7 +31,7 @@ def histories(labels: np.ndarray, lengths: np.ndarray) -> History:
     h = Hindsight(np.array([0], dtype=np.int32), 0, CLASSES)
     rows = []
     for y, k in zip(labels.tolist(), lengths.tolist()):
-        rows.append(h.history())
+        rows.append(h.draft_context(NO_DRAFT).history)
         if k:
             h.add(draft([1] * y + [2] * (k - y)))
         h.append(np.array([1], dtype=np.int32))
