@@ -26,7 +26,6 @@ nothing is patched and nothing heavy is imported; the runtime and its services
 from __future__ import annotations
 
 import atexit
-import logging
 import threading
 from typing import TYPE_CHECKING
 
@@ -38,7 +37,6 @@ if TYPE_CHECKING:
 
 SUPPORTED_VLLM = "0.32.0"
 ENV_ENABLE = "HVD_HYBRID"
-log = logging.getLogger("hvd.vllm")
 _PATCHED = False
 _STATES: list["HybridState"] = []
 _LOCK = threading.Lock()
@@ -96,7 +94,7 @@ def runtimes() -> list["Runtime"]:
 
 
 def flush() -> bool:
-    """Write every queued event and statistic to SQL now (tests; process exit)."""
+    """Write every queued event and statistic to SQL now (tests; at exit the stacks stop and drain)."""
     return all([s.stack.flush() for s in _STATES])
 
 
