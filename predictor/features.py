@@ -1,7 +1,7 @@
 """The feature vector phi the gate sees before verification: its inputs, its columns, its schema.
 
 A feature is one line of FEATURES: its name and its formula over the named inputs of a batch of
-drafts (every number of CacheDraft, DraftContext and History, by that name). The order of FEATURES
+drafts (every number of DraftContext and its CacheDraft, by that name). The order of FEATURES
 is the column order. Offline replay and the live runtime both build DraftContexts (through
 predictor.hindsight) and call feature_matrix, so the features a predictor learns from are the ones
 it is served.
@@ -16,7 +16,7 @@ import hashlib
 import json
 from collections.abc import Callable, Sequence
 from itertools import chain
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -29,9 +29,17 @@ FEATURE_SCHEMA_VERSION = 3
 MAX_NESTING = 8
 
 
-class History(NamedTuple):
-    """What a request's earlier drafts have shown by the current position t (out[:t] realised)."""
+class DraftContext(NamedTuple):
+    """One cache draft and everything else the gate may know about it before verification."""
 
+    draft: CacheDraft
+    continues_prev: int  # leading tokens equal to the latest earlier draft's not-yet-realised tail
+    position: int  # t: output tokens realised when it was drafted
+    context_len: int  # prompt + output tokens
+    nesting: int  # open brackets in the output so far
+    at_line_start: bool  # the last realised token ends a line
+    workload: int  # index into WORKLOADS
+    # What the request's earlier drafts have shown by t, in hindsight (predictor.hindsight):
     prev_agree: float  # of the latest earlier draft's tokens realised since, the share it got right
     prev_gap: int  # positions since that draft
     has_prev: bool
@@ -43,39 +51,24 @@ class History(NamedTuple):
     hit_streak: int  # consecutive positions up to t whose draft's first token was right
 
 
-class DraftContext(NamedTuple):
-    """One cache draft and everything else the gate may know about it before verification."""
-
-    draft: CacheDraft
-    continues_prev: int  # leading tokens equal to the latest earlier draft's not-yet-realised tail
-    position: int  # output tokens realised when it was drafted
-    context_len: int  # prompt + output tokens
-    nesting: int  # open brackets in the output so far
-    at_line_start: bool  # the last realised token ends a line
-    workload: int  # index into WORKLOADS
-    history: History
-
-
-_draft, _history = attrgetter("draft"), attrgetter("history")
-_token_ids, _probs = attrgetter("token_ids"), attrgetter("probs")
+_draft, _token_ids, _probs = attrgetter("draft"), attrgetter("token_ids"), attrgetter("probs")
 
 
 class _Inputs:
-    """A batch of DraftContexts as named columns, plus the drafts' tokens and probabilities laid
-    end to end (rows without a draft have none)."""
+    """A batch of DraftContexts as named columns (every number of DraftContext and its CacheDraft,
+    by its own name), plus the drafts' tokens and probabilities laid end to end."""
 
     _DRAFT = tuple(name for name in CacheDraft._fields if name not in ("token_ids", "probs"))
-    _CONTEXT = tuple(name for name in DraftContext._fields if name not in ("draft", "history"))
+    _CONTEXT = DraftContext._fields[1:]
     _draft_numbers = attrgetter(*_DRAFT)
-    _context_numbers = attrgetter(*_CONTEXT)
+    _context_numbers = itemgetter(slice(1, None))
 
     def __init__(self, rows: Sequence[DraftContext], classes: TokenClasses) -> None:
         # map/attrgetter rather than comprehensions: replay gathers a row per output position
         n = self.n = len(rows)
         drafts = list(map(_draft, rows))
         for names, values in ((self._DRAFT, map(self._draft_numbers, drafts)),
-                              (self._CONTEXT, map(self._context_numbers, rows)),
-                              (History._fields, map(_history, rows))):
+                              (self._CONTEXT, map(self._context_numbers, rows))):
             columns = np.fromiter(chain.from_iterable(values), dtype=np.float64, count=n * len(names))
             self.__dict__.update(zip(names, columns.reshape(n, len(names)).T))
         token_ids = list(map(_token_ids, drafts))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from predictor.cache_drafter import CacheDraft
-from predictor.features import DraftContext, History
+from predictor.features import DraftContext
 from predictor.labels import lcp
 from predictor.tokens import TokenClasses
 
@@ -102,7 +102,10 @@ class Hindsight:
         if prev is not None and draft.token_ids:
             continues = lcp(prev.tokens[t - prev.position :], draft.token_ids)
         two, four = self._recent.get(t - 2), self._recent.get(t - 4)
-        history = History(
+        return DraftContext(
+            draft, continues, t, self._length, self.nesting,
+            self._classes.ends_line[self.out[-1]] if t else False,  # at_line_start
+            self.workload,
             _agreement(prev, t) if prev is not None else 0.0,  # prev_agree
             t - prev.position if prev is not None else 0,  # prev_gap
             prev is not None,  # has_prev
@@ -113,8 +116,6 @@ class Hindsight:
             _agreement(four, t) if four is not None else 0.0,  # agree_4
             self._streak,  # hit_streak
         )
-        at_line_start = self._classes.ends_line[self.out[-1]] if t else False
-        return DraftContext(draft, continues, t, self._length, self.nesting, at_line_start, self.workload, history)
 
     def add(self, draft: CacheDraft) -> TrackedDraft:
         """The draft made at the current position joins the history (later positions see it)."""

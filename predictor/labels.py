@@ -11,8 +11,9 @@ from collections.abc import Sequence
 
 def lcp(draft: Sequence[int], truth: Sequence[int]) -> int:
     """Length of the longest common prefix of `draft` and `truth`."""
-    n = min(len(draft), len(truth))
-    for i in range(n):
-        if draft[i] != truth[i]:
-            return i
+    n = 0
+    for a, b in zip(draft, truth):
+        if a != b:
+            return n
+        n += 1
     return n

@@ -6,8 +6,7 @@ import pytest
 
 from predictor import features
 from predictor.cache_drafter import TREE_GLOBAL, CacheDraft
-from predictor.features import (FEATURE_NAMES, MAX_NESTING, NUM_FEATURES, DraftContext, History, feature_matrix,
-                                schema_hash)
+from predictor.features import FEATURE_NAMES, MAX_NESTING, NUM_FEATURES, DraftContext, feature_matrix, schema_hash
 from predictor.tokens import BRACKET, NEWLINE, TokenClasses
 from predictor.traces import WORKLOADS
 
@@ -46,9 +45,10 @@ def test_feature_matrix_hand_computed():
         CacheDraft([3, 4, 1], [0.5, 0.25, 1.0], 1.75, match_len=4, tree=TREE_GLOBAL, other_score=0.5, other_len=2,
                    trees_agree=1),
         continues_prev=3, position=9, context_len=19, nesting=12, at_line_start=True, workload=1,
-        history=History(0.5, 3, True, 2.0, 1.5, 4, 1.0, 0.0, 7))
-    without = DraftContext(CacheDraft([], [], match_len=5), 0, 2, 12, -1, False, 0,
-                           History(0.0, 0, False, 0.0, 0.0, 0, 0.0, 0.0, 0))
+        prev_agree=0.5, prev_gap=3, has_prev=True, last_label=2.0, mean_label=1.5, n_resolved=4, agree_2=1.0,
+        agree_4=0.0, hit_streak=7)
+    without = DraftContext(CacheDraft([], [], match_len=5), 0, 2, 12, -1, False, 0, 0.0, 0, False, 0.0, 0.0, 0,
+                           0.0, 0.0, 0)
     x = feature_matrix([with_draft, without], CLASSES)
     assert x.shape == (2, NUM_FEATURES) and x.dtype == np.float32
     got = dict(zip(FEATURE_NAMES, x[0].tolist()))

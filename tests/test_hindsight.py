@@ -1,12 +1,14 @@
 """Hindsight: labels as soon as the realised output decides them, and the history features."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from predictor.cache_drafter import CacheDraft
-from predictor.features import History
+from predictor.features import DraftContext
 from predictor.hindsight import Hindsight
 from predictor.labels import lcp
 from predictor.tokens import NEWLINE, TokenClasses
@@ -24,18 +26,21 @@ def draft(tokens: list[int]) -> CacheDraft:
     return CacheDraft(tokens, [1.0] * len(tokens), float(len(tokens)))
 
 
-def histories(labels: np.ndarray, lengths: np.ndarray) -> History:
+HISTORY = DraftContext._fields[DraftContext._fields.index("prev_agree"):]
+
+
+def histories(labels: np.ndarray, lengths: np.ndarray) -> SimpleNamespace:
     """The tracker driven as dense replay drives it: at each position t the history is read, the
     draft made at t (lengths[t] tokens, the first labels[t] right) joins it, then out[t] is realised.
-    Returns each History field as an array over t."""
+    Returns each history field of DraftContext as an array over t."""
     h = Hindsight(np.array([0], dtype=np.int32), 0, CLASSES)
     rows = []
     for y, k in zip(labels.tolist(), lengths.tolist()):
-        rows.append(h.draft_context(NO_DRAFT).history)
+        rows.append(h.draft_context(NO_DRAFT))
         if k:
             h.add(draft([1] * y + [2] * (k - y)))
         h.append(np.array([1], dtype=np.int32))
-    return History(*(np.array(column) for column in zip(*rows)))
+    return SimpleNamespace(**{name: np.array([getattr(r, name) for r in rows]) for name in HISTORY})
 
 
 # ---------------------------------------------------------------- history, by hand
@@ -74,8 +79,8 @@ def test_history_partial_agreement():
 
 def test_history_without_drafts_is_all_zero():
     h = histories(np.zeros(6, dtype=np.int64), np.zeros(6, dtype=np.int64))
-    for name, column in zip(History._fields, h):
-        assert not np.any(column), name
+    for name in HISTORY:
+        assert not np.any(getattr(h, name)), name
 
 
 @st.composite
@@ -111,8 +116,8 @@ def test_history_at_t_ignores_what_is_not_yet_known(case):
     changed = labels.copy()
     changed[s] = b
     before, after = histories(labels, lengths), histories(changed, lengths)
-    for name, x, y in zip(History._fields, before, after):
-        assert x[t] == y[t], (name, t, s, labels[s], b)
+    for name in HISTORY:
+        assert getattr(before, name)[t] == getattr(after, name)[t], (name, t, s, labels[s], b)
 
 
 def test_history_does_see_a_resolved_change():
@@ -170,5 +175,5 @@ def test_draft_context_reads_the_output_so_far():
     c = h.draft_context(draft([4, 1, 9]))
     assert (c.position, c.context_len, c.nesting, c.at_line_start, c.workload) == (4, 7, 2, True, 2)
     assert c.continues_prev == 2  # the earlier draft's unrealised tail [4, 1] begins the new one
-    assert c.history.prev_gap == 2 and c.history.prev_agree == 1.0
+    assert c.prev_gap == 2 and c.prev_agree == 1.0
     assert h.tokens.tolist() == [0, 0, 0, 3, 1, 1, 3]
