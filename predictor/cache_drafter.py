@@ -126,5 +126,4 @@ def _speculate_each_tree(cache: SuffixDecodingCache, req_id: Hashable, pattern: 
 
 
 def _as_int32(tokens: np.ndarray | Sequence[int]) -> np.ndarray:
-    arr = np.asarray(tokens, dtype=np.int32)
-    return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+    return np.ascontiguousarray(tokens, dtype=np.int32)
