@@ -52,6 +52,45 @@ def insert_events(session: Session, rows: Sequence[dict[str, Any]]) -> int:
     return len(rows)
 
 
+def event_json(row: dict[str, Any]) -> str:
+    """``row`` as ASCII-only JSON (NUL and lone surrogates escaped, bytes as hex, times ISO):
+    text any database and any file can hold, whatever the row contained."""
+    import json
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            return bytes(value).hex()
+        if hasattr(value, "isoformat"):
+            return value.isoformat()
+        return value
+
+    return json.dumps({k: plain(v) for k, v in row.items()}, ensure_ascii=True, sort_keys=True, default=repr)
+
+
+def insert_dead_letters(session: Session, letters: Sequence[tuple[dict[str, Any], str]],
+                        replica: str | None = None) -> int:
+    """Set aside (row, reason) pairs the database refused as decision events; returns the count."""
+    from storage.models import DeadLetterEvent, utcnow
+
+    if letters:
+        now = utcnow()
+        session.connection().execute(insert(DeadLetterEvent.__table__), [
+            {"at": now, "replica": None if replica is None else _ascii(replica), "reason": _ascii(reason),
+             "event": event_json(row)} for row, reason in letters])
+    return len(letters)
+
+
+def _ascii(text: str) -> str:
+    # NUL and lone surrogates become escapes (NUL is ASCII, so it needs its own)
+    return text.encode("ascii", "backslashreplace").decode().replace("\x00", "\\x00")
+
+
+def count_dead_letters(session: Session) -> int:
+    from storage.models import DeadLetterEvent
+
+    return int(session.scalar(select(func.count()).select_from(DeadLetterEvent)) or 0)
+
+
 def count_events(session: Session, **filters: Any) -> int:
     stmt = select(func.count()).select_from(DecisionEvent)
     for name, value in filters.items():
@@ -79,12 +118,13 @@ def last_event_id(session: Session) -> int:
 
 
 def record_health(session: Session, *, replica: str, queue_depth: int, events_written: int, events_dropped: int,
-                  flush_ms: float) -> None:
-    """Upsert this replica's heartbeat row (one row per replica, overwritten)."""
+                  flush_ms: float, events_dead_lettered: int = 0, services: str | None = None) -> None:
+    """Upsert this replica's heartbeat row (one row per replica, overwritten); `services` is JSON."""
     from storage.models import ReplicaHealth, utcnow
 
     session.merge(ReplicaHealth(replica=replica, updated_at=utcnow(), queue_depth=queue_depth,
-                                events_written=events_written, events_dropped=events_dropped, flush_ms=flush_ms))
+                                events_written=events_written, events_dropped=events_dropped, flush_ms=flush_ms,
+                                events_dead_lettered=events_dead_lettered, services=services))
 
 
 def replica_health(session: Session) -> list:

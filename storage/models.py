@@ -146,6 +146,20 @@ class DecisionEvent(Base):
     features: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)  # float32 row
 
 
+class DeadLetterEvent(Base):
+    """A decision event the database can never store (a NUL, an over-long tenant, a value the
+    driver refuses), set aside by the event writer with the reason, so one bad row neither
+    blocks the rows behind it nor disappears uncounted. `event` is the row as ASCII-escaped JSON."""
+
+    __tablename__ = "dead_letter_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, default=utcnow)
+    replica: Mapped[str | None] = mapped_column(Text, nullable=True)
+    reason: Mapped[str] = mapped_column(Text, nullable=False)
+    event: Mapped[str] = mapped_column(Text, nullable=False)
+
+
 class TauOverride(Base):
     """An operator's override of tau for a tenant (optionally one workload of it). Never deleted:
     clearing stamps cleared_at, so the table is its own audit trail."""
@@ -243,4 +257,6 @@ class ReplicaHealth(Base):
     queue_depth: Mapped[int] = mapped_column(Integer, nullable=False)
     events_written: Mapped[int] = mapped_column(Integer, nullable=False)
     events_dropped: Mapped[int] = mapped_column(Integer, nullable=False)
+    events_dead_lettered: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+    services: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON: each background service's state
     flush_ms: Mapped[float] = mapped_column(Float, nullable=False)

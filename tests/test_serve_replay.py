@@ -48,7 +48,7 @@ def test_ctrl_c_stops_cleanly_and_keeps_committed_data(tmp_path):
     text = "".join(seen)
     assert returncode == 0, text
     assert "stopping after the current step" in text and "interrupted" in text
-    written = int(re.search(r"events written (\d+)", text).group(1))
+    written = int(re.search(r"events produced \d+, written (\d+)", text).group(1))
     engine = make_engine(db)
     with session_scope(engine) as s:
         assert count_events(s) == written > 0

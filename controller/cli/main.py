@@ -222,13 +222,13 @@ def _serve_replay(args: argparse.Namespace, engine) -> int:
     if args.max_requests:
         records = round_robin_sources(records)[: args.max_requests]
     print(f"serving {len(records)} requests on the replay engine (batch {args.batch_size}, {args.tenants} tenants, "
-          f"learning {'off' if args.no_learn else 'on'}); Ctrl-C stops cleanly")
+          f"learning {'off' if args.no_learn else 'on'}); Ctrl-C or SIGTERM stops cleanly")
     opts = ReplayServeOptions(batch_size=args.batch_size, tenants=args.tenants, seed=args.seed,
                               learn=not (args.no_learn or args.oracle), synchronous=args.synchronous,
                               oracle=args.oracle)
     result = serve_replay(engine, records, opts)
     print(format_serve_summary(result))
-    return 0
+    return 1 if result.tally.lost else 0  # anything lost at exit is an error, after saying how much
 
 
 def _scenario(args: argparse.Namespace, engine) -> int:

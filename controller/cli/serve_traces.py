@@ -3,8 +3,10 @@
 Requests from the traces arrive interleaved (batch_size at a time per deployment) as from several
 tenants; the "target model" is the recorded continuation (greedy verification); the model drafter
 is simulated. The runtime, the event and statistics writers, the control poller and the learner
-(leader only) all run live, exactly as next to a real engine. Ctrl-C stops after the current step;
-everything already queued is written before exit.
+(leader only) all run live, exactly as next to a real engine. SIGINT (Ctrl-C) and SIGTERM alike
+stop it after the current step; what is queued is then written within a bounded time
+(`drain_seconds`), and the result's tally says where every event went: written, dropped,
+dead-lettered, or lost (still queued at exit; the CLI then exits non-zero).
 
 `synchronous=True` runs the writers, learner and poller in the serving loop every `sync_every`
 steps instead of in threads: slower, but the whole run is then a deterministic function of the
@@ -22,6 +24,8 @@ from sqlalchemy import Engine
 
 from controller.core.runtime import Runtime
 from controller.engines.trace_engine import ReplayRun, run_replay
+from controller.services.event_writer import Tally
+from controller.services.lifecycle import Health
 from controller.services.stack import ServiceStack, decision_config
 from predictor.online import LearnerConfig
 from predictor.profiles import cost_profiles, drafter_profiles, pick
@@ -42,6 +46,7 @@ class ReplayServeOptions:
     sync_every: int = 50  # steps between synchronous learner rounds
     progress_seconds: float = 5.0
     oracle: bool = False  # decide with the true accepted lengths (the upper bound); learning off
+    drain_seconds: float = 10.0  # at shutdown, how long to keep trying to write what is queued
     learner: LearnerConfig = field(default_factory=LearnerConfig)
 
 
@@ -50,10 +55,18 @@ class ServeResult:
     run: ReplayRun
     promotions: list[int]
     drifts: list[tuple[str, int]]
-    events_written: int
-    events_dropped: int
+    tally: Tally
     interrupted: bool
     seconds: float
+    services: list[Health] = field(default_factory=list)  # each service's state at exit
+
+    @property
+    def events_written(self) -> int:
+        return self.tally.written
+
+    @property
+    def events_dropped(self) -> int:
+        return self.tally.dropped
 
 
 def tenant_of(tenants: int) -> Callable[[TraceRecord], str]:
@@ -103,18 +116,21 @@ def serve_replay(engine: Engine, records: Sequence[TraceRecord], opts: ReplaySer
         stack.start()
 
     interrupted = False
+    previous: dict[int, object] = {}
 
-    def on_sigint(signum, frame) -> None:
+    def on_signal(signum, frame) -> None:
         nonlocal interrupted
         interrupted = True
-        log("stopping after the current step (Ctrl-C again to force)")
-        signal.signal(signal.SIGINT, previous)
+        log(f"{signal.Signals(signum).name}: stopping after the current step (again to force)")
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
-    previous = signal.getsignal(signal.SIGINT)
-    try:
-        signal.signal(signal.SIGINT, on_sigint)
-    except ValueError:  # not the main thread: no Ctrl-C handling
-        previous = None
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, on_signal)
+        except ValueError:  # not the main thread: no signal handling
+            previous.pop(sig, None)
     start = last = time.monotonic()
     steps = 0
 
@@ -139,12 +155,10 @@ def serve_replay(engine: Engine, records: Sequence[TraceRecord], opts: ReplaySer
                          tenant_of=tenant_of(opts.tenants), on_step=step_hook, stop=lambda: interrupted,
                          oracle=opts.oracle)
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
         if opts.synchronous:
             stack.sync_round()
-        else:
-            stack.stop()
+        tally = stack.shutdown(opts.drain_seconds, log=None)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return ServeResult(run, learner.stats.promotions if learner else [], learner.stats.drifts if learner else [],
-                       stack.writer.written, runtime.events.dropped + stack.writer.dropped, interrupted,
-                       time.monotonic() - start)
+                       tally, interrupted, time.monotonic() - start, stack.health())

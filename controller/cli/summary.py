@@ -10,7 +10,10 @@ def format_serve_summary(result: ServeResult) -> str:
         lines.append(f"{w:10s} {t.tokens:9d} {t.cycles_per_1k:10.1f} {t.cache_cycles:13d} {t.model_cycles:13d}")
     total = result.run.total()
     lines.append(f"{'overall':10s} {total.tokens:9d} {total.cycles_per_1k:10.1f} {total.cache_cycles:13d} {total.model_cycles:13d}")
-    lines.append(f"{result.seconds:.1f} s; events written {result.events_written}, dropped {result.events_dropped}; "
-                 f"promotions {result.promotions or 'none'}; drift events {len(result.drifts)}"
+    lines.append(f"{result.seconds:.1f} s; promotions {result.promotions or 'none'}; drift events {len(result.drifts)}"
                  + ("; interrupted" if result.interrupted else ""))
+    lines.append(result.tally.line() + ("" if result.tally.lost == 0 else " (queued but not written at exit)"))
+    for h in result.services:
+        if h.failures:
+            lines.append(f"  {h.name}: {h.failures} failed attempts, last: {h.last_error}")
     return "\n".join(lines)

@@ -1,7 +1,8 @@
 """Labelled events and the bounded queue that carries them off the decode path.
 
 The decode path must never wait for storage or learning: `put` never blocks; when the queue is
-full the event is dropped and counted, and the count is itself reported (it is a health figure).
+full (or closed, at shutdown) the event is dropped and counted, and the count is itself reported
+(it is a health figure).
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ class LabelledEvent:
 
 
 class EventQueue:
-    """A bounded FIFO: `put` drops (and counts) instead of waiting when full."""
+    """A bounded FIFO: `put` drops (and counts) instead of waiting when full or closed."""
 
     def __init__(self, maxsize: int = 65536) -> None:
         if maxsize < 1:
@@ -53,8 +54,17 @@ class EventQueue:
         self.maxsize = maxsize
         self.dropped = 0
         self.queued = 0  # events put on the queue (not dropped) since it was made
+        self.closed = False
+
+    def close(self) -> None:
+        """Admit nothing more (shutdown): later events are dropped and counted."""
+        self.closed = True
 
     def put(self, event: LabelledEvent) -> bool:
+        if self.closed:
+            with self._lock:
+                self.dropped += 1
+            return False
         try:
             self._queue.put_nowait(event)
         except queue.Full:

@@ -1,32 +1,86 @@
 """Drains the event queue into SQL in batches (one transaction each), off the decode path.
 
-If a write fails (database down, locked), the batch is kept and retried with backoff up to
-`max_buffered` events; beyond that the oldest are dropped and counted. The decode path never sees
-any of this: it only ever touches the queue.
+Nothing is lost without a count. Every round moves everything queued into a bounded buffer (the
+queue then has room again; beyond `max_buffered` the oldest are dropped and counted), and when the
+database answers, the whole buffer is written in `batch_size` chunks before the round ends, so a
+writer catches up right after an outage. A database that is down (a connection error: it says
+nothing about the rows) is retried with back-off capped at `max_backoff`; rows the database can
+never store are set aside in `dead_letter_events` with the reason (or, if that table refuses them
+too, in a JSON-lines file under `spill_dir`) and counted, and the rest of their batch goes on:
+rows storage.events.split_storable already knows to be unstorable are never sent, and a batch that
+still fails with a data error is bisected down to the rows that poison it.
+
+`tally()` accounts for every event the runtime produced: written + dropped + dead-lettered + lost
+(still queued or buffered), exactly. The decode path never sees any of this: it only touches the
+queue, whose `put` never waits.
 
 With a `stats` writer (controller.services.stats_writer.StatsWriter), every event taken off the
 queue is also aggregated into statistics buckets (before any raw-sample buffering or drop), and the
-queue's drop count is recorded as it grows; the statistics writer flushes on its own. With
-`keep_events`, the raw sample is pruned to the newest `keep_events` rows every `prune_every`
-successful writes, and once more when the writer stops.
+queue's drop count is recorded as it grows. With `keep_events`, the raw sample is pruned to the
+newest `keep_events` rows every `prune_every` successful writes, and once more when it stops.
 """
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, SQLAlchemyError, StatementError
 
 from controller.core.events import EventQueue, LabelledEvent
-from controller.services.lifecycle import BackgroundService
+from controller.services.lifecycle import BackgroundService, Health, first_line
 from storage.engine import session_scope
-from storage.events import insert_events, record_health
+from storage.events import event_json, insert_dead_letters, insert_events, record_health, split_storable
 from storage.stats import prune_events
 
 if TYPE_CHECKING:
     from controller.services.stats_writer import StatsWriter
+
+DEAD_LETTER_FILE = "dead_letter_events.jsonl"
+
+
+def default_spill_dir() -> Path:
+    """Where rows go that not even the dead-letter table takes: $HVD_SPILL_DIR, else ./var."""
+    return Path(os.environ.get("HVD_SPILL_DIR") or "var")
+
+
+def is_data_error(exc: BaseException) -> bool:
+    """True if `exc` is about the rows sent (the same rows will always fail), False if it is about
+    the database (down, locked, timed out, missing table: retry later)."""
+    if isinstance(exc, (DataError, IntegrityError)):
+        return True
+    if isinstance(exc, StatementError) and not isinstance(exc, DBAPIError):
+        return True  # refused while binding parameters, before the database saw them
+    return isinstance(exc, (ValueError, TypeError))  # a driver refusing a value (psycopg2: NUL)
+
+
+@dataclass(frozen=True)
+class Tally:
+    """Where every event the runtime produced went. `lost`: queued but neither written nor set
+    aside when counted (at exit: lost for good, and reported)."""
+
+    produced: int
+    written: int
+    dropped: int
+    dead_lettered: int
+    lost: int
+
+    @property
+    def balanced(self) -> bool:
+        return self.produced == self.written + self.dropped + self.dead_lettered + self.lost
+
+    def line(self) -> str:
+        return (f"events produced {self.produced}, written {self.written}, dropped {self.dropped}, "
+                f"dead-lettered {self.dead_lettered}, lost {self.lost}")
+
+    def to_json(self) -> dict:
+        return asdict(self)
 
 
 class EventWriter(BackgroundService):
@@ -34,15 +88,21 @@ class EventWriter(BackgroundService):
 
     def __init__(self, engine: Engine, events: EventQueue, batch_size: int = 2000, flush_interval: float = 0.5,
                  max_buffered: int = 200_000, stats: "StatsWriter | None" = None, keep_events: int | None = None,
-                 prune_every: int = 20, replica: str | None = None) -> None:
-        super().__init__(flush_interval, max_backoff=10.0)
+                 prune_every: int = 20, replica: str | None = None, max_backoff: float = 1.0,
+                 spill_dir: Path | None = None, services: Callable[[], list[Health]] | None = None) -> None:
+        super().__init__(flush_interval, max_backoff=max_backoff)
         self.engine = engine
         self.replica = replica  # when set, a heartbeat row (queue depth, flush latency) goes with each batch
+        self.services = services  # when set, the heartbeat row carries every service's state
         self.events = events
         self.batch_size = batch_size
         self.max_buffered = max_buffered
+        self.spill_dir = spill_dir if spill_dir is not None else default_spill_dir()
         self.written = 0
-        self.dropped = 0
+        self.dropped = 0  # buffer overflow (the queue counts its own)
+        self.dead_lettered = 0
+        self.spilled = 0  # of the dead-lettered: into the file, not the table
+        self.peak_buffered = 0
         self.last_flush_seconds = 0.0
         self.stats = stats
         self.keep_events = keep_events
@@ -56,7 +116,7 @@ class EventWriter(BackgroundService):
         # Batch by time: one wake-up per interval, not one per event. On a CPU-bound host the
         # engine's main thread shares its core with this one (threads inherit its binding), and a
         # wake-up plus a commit per decode step cost it ~1 ms a step.
-        self._take(self.events.get_batch(self.batch_size))
+        self._drain_queue()
         if self._buffer:
             if not self._write():
                 return self.retry.failed()
@@ -68,25 +128,45 @@ class EventWriter(BackgroundService):
     def flush(self) -> bool:
         """Move everything queued into SQL now; False (kept, bounded) if the database refused."""
         with self._round_lock:
-            while got := self.events.get_batch(self.batch_size):
-                self._take(got)
+            self._drain_queue()
             self._note([])
-            return self._write()
+            if not self._write():
+                return False
+            self.succeeded()
+            return True
 
-    def stop(self, timeout: float = 30.0) -> bool:
-        """Drain what is queued, write it, apply the retention limit, and stop."""
+    def stop(self, timeout: float = 30.0, drain_seconds: float = 10.0) -> bool:
+        """Stop the thread, then write what is left, retrying for up to `drain_seconds` (each
+        attempt bounded by the connect and statement timeouts), then apply the retention limit.
+        False if anything is left: `tally().lost` says how much."""
+        deadline = time.monotonic() + drain_seconds
         ok = super().stop(timeout)
+        while not ok and time.monotonic() < deadline:
+            time.sleep(min(self.retry.failed(), max(0.0, deadline - time.monotonic())))
+            ok = self.flush()
         if ok and self._unpruned:
             self.prune()
         return ok
+
+    def tally(self) -> Tally:
+        return Tally(produced=self.events.queued + self.events.dropped, written=self.written,
+                     dropped=self.events.dropped + self.dropped, dead_lettered=self.dead_lettered,
+                     lost=len(self._buffer) + self.events.depth())
+
+    def _drain_queue(self) -> None:
+        """Everything queued into the buffer, so the queue has room for the decode path."""
+        while got := self.events.get_batch(self.batch_size):
+            self._take(got)
 
     def _take(self, events: list[LabelledEvent]) -> None:
         """Into the statistics, then into the bounded buffer (oldest dropped and counted)."""
         self._note(events)
         self._buffer.extend(events)
-        while len(self._buffer) > self.max_buffered:
+        excess = len(self._buffer) - self.max_buffered
+        for _ in range(max(0, excess)):
             self._buffer.popleft()
-            self.dropped += 1
+        self.dropped += max(0, excess)
+        self.peak_buffered = max(self.peak_buffered, len(self._buffer))
 
     def _note(self, events: list[LabelledEvent]) -> None:
         """Aggregate `events` into the stats and record queue drops since the last call."""
@@ -113,26 +193,103 @@ class EventWriter(BackgroundService):
         self.pruned += n
         return n
 
+    # ---------------------------------------------------------------- writing
     def _write(self) -> bool:
-        """Write the buffer in batches; False (buffer kept) if the database refused."""
-        wrote = bool(self._buffer)
+        """Write the buffer in chunks; False (the rest kept) if the database is down."""
+        wrote = False
         while self._buffer:
-            batch = [self._buffer[i].to_row() for i in range(min(self.batch_size, len(self._buffer)))]
+            n = min(self.batch_size, len(self._buffer))
+            done: set[int] = set()
+            rows = [(i, self._buffer[i].to_row()) for i in range(n)]
             start = time.perf_counter()
             try:
-                with session_scope(self.engine) as session:
-                    insert_events(session, batch)
-                    if self.replica is not None:
-                        record_health(session, replica=self.replica, queue_depth=self.events.depth(),
-                                      events_written=self.written + len(batch),
-                                      events_dropped=self.events.dropped + self.dropped,
-                                      flush_ms=1000.0 * self.last_flush_seconds)
-            except SQLAlchemyError as exc:
+                self._store_chunk(rows, done)
+            except Exception as exc:  # the database is down: keep what is not done, retry later
+                if not isinstance(exc, SQLAlchemyError):
+                    raise
                 self.failed(exc)
                 return False
+            finally:
+                self._forget(n, done)
             self.last_flush_seconds = time.perf_counter() - start
-            for _ in batch:
-                self._buffer.popleft()
-            self.written += len(batch)
+            wrote = True
+            self._drain_queue()  # catching up may take a while: keep the queue from filling
         self._unpruned += wrote
         return True
+
+    def _forget(self, n: int, done: set[int]) -> None:
+        """Remove the `done` indices among the first `n` buffered events, keeping the order."""
+        if not done:
+            return
+        kept = [self._buffer[i] for i in range(n) if i not in done]
+        for _ in range(n):
+            self._buffer.popleft()
+        self._buffer.extendleft(reversed(kept))
+
+    def _store_chunk(self, rows: list[tuple[int, dict]], done: set[int]) -> None:
+        good, bad = split_storable([row for _, row in rows])
+        bad_ids = {id(row) for row, _ in bad}
+        self._store(([(i, r) for i, r in rows if id(r) not in bad_ids]), done)
+        index = {id(r): i for i, r in rows}
+        self._dead_letter([(index[id(row)], row, reason) for row, reason in bad], done)
+
+    def _store(self, rows: list[tuple[int, dict]], done: set[int]) -> None:
+        """Insert `rows` in one transaction; on a data error, bisect to the rows that cause it.
+        A database error (not about the rows) propagates: the caller retries later."""
+        if not rows:
+            return
+        try:
+            with session_scope(self.engine) as session:
+                insert_events(session, [row for _, row in rows])
+                self._heartbeat(session, len(rows))
+        except Exception as exc:
+            if not is_data_error(exc):
+                raise
+            if len(rows) == 1:
+                (i, row), = rows
+                self._dead_letter([(i, row, f"refused by the database: {first_line(exc)}")], done)
+                return
+            mid = len(rows) // 2
+            self._store(rows[:mid], done)
+            self._store(rows[mid:], done)
+            return
+        done.update(i for i, _ in rows)
+        self.written += len(rows)
+
+    def _heartbeat(self, session, batch: int) -> None:
+        if self.replica is None:
+            return
+        services = None if self.services is None else json.dumps([h.to_json() for h in self.services()])
+        record_health(session, replica=self.replica, queue_depth=self.events.depth(),
+                      events_written=self.written + batch, events_dropped=self.events.dropped + self.dropped,
+                      events_dead_lettered=self.dead_lettered, flush_ms=1000.0 * self.last_flush_seconds,
+                      services=services)
+
+    def _dead_letter(self, letters: list[tuple[int, dict, str]], done: set[int]) -> None:
+        """Set rows aside in the dead-letter table, else in the file; a database that is down
+        propagates (the rows stay buffered and are tried again)."""
+        if not letters:
+            return
+        pairs = [(row, reason) for _, row, reason in letters]
+        try:
+            with session_scope(self.engine) as session:
+                insert_dead_letters(session, pairs, self.replica)
+        except Exception as exc:
+            if not is_data_error(exc) and not _missing_table(exc):
+                raise
+            self._spill(pairs)
+            self.spilled += len(letters)
+        done.update(i for i, _, _ in letters)
+        self.dead_lettered += len(letters)
+
+    def _spill(self, pairs: list[tuple[dict[str, Any], str]]) -> None:
+        self.spill_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.spill_dir / DEAD_LETTER_FILE, "a", encoding="ascii") as fh:
+            for row, reason in pairs:
+                fh.write(json.dumps({"replica": self.replica, "reason": reason, "event": event_json(row)},
+                                    ensure_ascii=True) + "\n")
+
+
+def _missing_table(exc: BaseException) -> bool:
+    """A database not yet migrated to 0006 has no dead-letter table: the file takes the rows."""
+    return isinstance(exc, DBAPIError) and "dead_letter_events" in str(exc)

@@ -47,7 +47,7 @@ class LearnerService(BackgroundService):
     def __init__(self, engine: Engine, decision: DecisionConfig, config: LearnerConfig | None = None,
                  replica: str = "replica-0", lock=None, start_at_end: bool = True, batch_events: int = 2000,
                  interval: float = 0.5) -> None:
-        super().__init__(interval, max_backoff=10.0)
+        super().__init__(interval, max_backoff=2.0)
         self.engine = engine
         self.decision = decision
         self.config = config or LearnerConfig()
@@ -144,9 +144,10 @@ class LearnerService(BackgroundService):
     def round(self) -> float:
         """Lead if the lock allows (a new leader starts at the end of the events), then learn; no
         pause while a full batch of events is waiting."""
-        leading = self.lock is None or self.lock.is_leader or self.lock.try_acquire()
-        if leading and self.lock is not None:
-            self.lock.renew()
+        if self.lock is None:
+            leading = True
+        else:  # a leader whose lock went with its connection (an outage) is a follower again
+            leading = self.lock.renew() if self.lock.is_leader else self.lock.try_acquire()
         if leading and not self._leading:
             self._take_over()
         self._leading = leading

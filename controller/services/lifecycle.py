@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Self
 
+from sqlalchemy.exc import SQLAlchemyError
+
 log = logging.getLogger("hvd.services")
 
 
@@ -47,6 +49,15 @@ class Health:
     failures: int
     last_error: str | None
     last_success: float | None  # unix time
+    failing: int = 0  # failures since the last success: > 0 means retrying with back-off
+
+    @property
+    def state(self) -> str:
+        return "stopped" if not self.running else "retrying" if self.failing else "ok"
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "state": self.state, "failures": self.failures, "failing": self.failing,
+                "last_error": self.last_error, "last_success": self.last_success}
 
 
 def first_line(exc: BaseException) -> str:
@@ -65,6 +76,7 @@ class BackgroundService:
         self.interval = interval
         self.retry = Backoff(interval, max_backoff)
         self.failures = 0
+        self.failing = 0  # consecutive failures
         self.last_error: str | None = None
         self.last_success: float | None = None
         self._round_lock = threading.RLock()
@@ -95,14 +107,21 @@ class BackgroundService:
 
     def health(self) -> Health:
         return Health(self.name, self._thread is not None and self._thread.is_alive(), self.failures,
-                      self.last_error, self.last_success)
+                      self.last_error, self.last_success, self.failing)
 
     def failed(self, exc: BaseException) -> None:
-        """Count a failure (the round that saw it returns `self.retry.failed()`)."""
+        """Count a failure (the round that saw it returns `self.retry.failed()`); the first of a
+        run of failures is logged, so an outage is one warning, not one per retry."""
         self.failures += 1
+        self.failing += 1
         self.last_error = first_line(exc)
+        if self.failing == 1:
+            log.warning("%s: %s; retrying with back-off", self.name, self.last_error)
 
     def succeeded(self) -> None:
+        if self.failing:
+            log.warning("%s: recovered after %d failed attempts", self.name, self.failing)
+        self.failing = 0
         self.retry.succeeded()
         self.last_success = time.time()
 
@@ -113,6 +132,7 @@ class BackgroundService:
                 try:
                     delay = self.round()
                 except Exception as exc:  # a round must not end the service: log, back off, retry
-                    log.exception("%s: round failed", self.name)
+                    if not isinstance(exc, SQLAlchemyError):  # a database error is an outage, logged once
+                        log.exception("%s: round failed", self.name)
                     self.failed(exc)
                     delay = self.retry.failed()

@@ -9,14 +9,19 @@ between steps, and a run is then a deterministic function of its inputs.
 """
 from __future__ import annotations
 
+import json
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
 
 from controller.core.decision import DecisionConfig
 from controller.core.runtime import Runtime
 from controller.services.control_poller import ControlPoller
-from controller.services.event_writer import EventWriter
+from controller.services.event_writer import EventWriter, Tally
 from controller.services.learner_service import LearnerService
 from controller.services.lifecycle import Health
 from controller.services.stats_writer import StatsWriter
@@ -26,7 +31,11 @@ from predictor.online import LearnerConfig
 from predictor.profiles import CostProfile, DrafterProfile, chain_mean
 from predictor.tokens import TokenClasses
 from predictor.traces import WORKLOADS
+from storage.engine import session_scope
+from storage.events import record_health
 from storage.leader import make_leader_lock
+
+_log = logging.getLogger("hvd.services")
 
 KEEP_EVENTS = 2_000_000  # retention limit of the raw decision events
 
@@ -67,7 +76,9 @@ class ServiceStack:
         if learn:
             lock = make_leader_lock(engine, "learner", replica) if leader_lock else None
             service = LearnerService(engine, decision, learner_config, replica=replica, lock=lock, start_at_end=True)
-        return cls(runtime, stats, writer, poller, service)
+        stack = cls(runtime, stats, writer, poller, service)
+        writer.services = stack.health  # the heartbeat row carries every service's state
+        return stack
 
     def services(self) -> list:
         """In start order."""
@@ -81,6 +92,41 @@ class ServiceStack:
     def stop(self, timeout: float = 30.0) -> bool:
         """Stop every service, last started first; True if everything pending was written."""
         return all([s.stop(timeout) for s in reversed(self.services())])
+
+    def shutdown(self, drain_seconds: float = 10.0, log: Callable[[str], None] | None = None) -> Tally:
+        """Stop admitting (the runtime's queue is closed), stop every service, write what is left
+        within about `drain_seconds`, and account for every event produced. The tally is logged,
+        and stored: in this replica's health row if the database answers, and always as a line of
+        `<spill dir>/shutdown.jsonl`. A tally with `lost > 0` should make the process exit non-zero."""
+        self.runtime.events.close()
+        threads = [s for s in self.services() if s is not self.writer and s is not self.stats]
+        for s in threads:
+            s.stop(min(drain_seconds, 5.0))
+        self.writer.stop(drain_seconds, drain_seconds=drain_seconds)
+        self.stats.stop(drain_seconds)
+        tally = self.writer.tally()
+        states = [h.to_json() for h in self.health()]
+        try:
+            with session_scope(self.writer.engine) as session:
+                record_health(session, replica=self.writer.replica or "replica-0", queue_depth=tally.lost,
+                              events_written=tally.written, events_dropped=tally.dropped,
+                              events_dead_lettered=tally.dead_lettered, flush_ms=1000.0 * self.writer.last_flush_seconds,
+                              services=json.dumps(states))
+        except SQLAlchemyError:
+            pass  # the database is down: the file below has it
+        try:
+            folder = self.writer.spill_dir
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(folder / "shutdown.jsonl", "a", encoding="ascii") as fh:
+                fh.write(json.dumps({"at": time.time(), "replica": self.writer.replica, **tally.to_json()},
+                                    ensure_ascii=True) + "\n")
+        except OSError:
+            pass
+        if log is not None:
+            log(tally.line())
+        else:
+            (_log.warning if tally.lost else _log.info)(tally.line())
+        return tally
 
     def flush(self) -> bool:
         """Write every queued event and statistic now."""

@@ -26,7 +26,7 @@ class StatsWriter(BackgroundService):
     name = "hvd-stats-writer"
 
     def __init__(self, engine: Engine, flush_interval: float = 5.0, max_pending_keys: int = 100_000,
-                 bucket_seconds: int = BUCKET_SECONDS, max_backoff: float = 30.0) -> None:
+                 bucket_seconds: int = BUCKET_SECONDS, max_backoff: float = 2.0) -> None:
         if max_pending_keys < 1:
             raise ValueError(f"max_pending_keys must be >= 1, got {max_pending_keys}")
         super().__init__(flush_interval, max_backoff)
