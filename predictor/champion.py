@@ -1,21 +1,57 @@
-"""Loading a stored predictor version back into the numpy gate."""
+"""Loading a stored predictor version back into the numpy gate, and moving the champion alias
+only to versions that load."""
 from __future__ import annotations
 
+import numpy as np
 from sqlalchemy import Engine
+from sqlalchemy.orm import Session
 
 from predictor.features import schema_hash
 from predictor.mlp import BlobError, GatePredictor
 from storage.engine import session_scope
 from storage.errors import CorruptBlobError, StorageError
-from storage.versions import CHAMPION, get_alias_version, get_version, verify_blob
+from storage.versions import (CHAMPION, PredictorVersion, UnloadableVersionError, get_alias_version, get_version,
+                              set_alias, verify_blob, version_problem)
 
 
 class NoChampionError(LookupError):
     pass
 
 
+def _probe(num_features: int) -> np.ndarray:
+    """A small fixed input: zeros, ones and seeded normal rows, so a blob whose weights overflow on
+    ordinary inputs is refused before any replica serves it."""
+    rows = np.random.default_rng(0).normal(0.0, 3.0, size=(6, num_features))
+    return np.vstack([np.zeros(num_features), np.ones(num_features), rows]).astype(np.float32)
+
+
+def gate_from_blob(blob: bytes) -> GatePredictor:
+    """The gate in ``blob`` if it is for this code's feature schema and scores the probe to finite
+    values; BlobError saying what is wrong otherwise."""
+    gate = GatePredictor.from_bytes(blob, expected_schema_hash=schema_hash())
+    with np.errstate(all="ignore"):
+        scores = gate.predict(_probe(gate.num_features))
+    if not np.all(np.isfinite(scores)):
+        raise BlobError("predictor blob scores a fixed probe input to non-finite values")
+    return gate
+
+
+def check_blob(blob: bytes) -> None:
+    gate_from_blob(blob)
+
+
+def unloadable_reason(version: PredictorVersion) -> str | None:
+    """Why this version cannot be served (corrupt, wrong schema, non-finite scores), or None."""
+    return version_problem(version, check_blob)
+
+
+def promote(session: Session, version_id: int, *, reason: str, actor: str) -> None:
+    """Make ``version_id`` the champion if its blob loads and scores; UnloadableVersionError if not."""
+    set_alias(session, CHAMPION, version_id, reason=reason, actor=actor, check=check_blob)
+
+
 def load_gate(engine: Engine, version_id: int | None = None) -> tuple[int, GatePredictor]:
-    """The champion (or the given version) as a GatePredictor; a corrupt or mismatched blob is an error."""
+    """The champion (or the given version) as a GatePredictor; a corrupt or mismatched blob is a BlobError."""
     with session_scope(engine) as session:
         if version_id is None:
             version = get_alias_version(session, CHAMPION)
@@ -27,7 +63,8 @@ def load_gate(engine: Engine, version_id: int | None = None) -> tuple[int, GateP
             blob = verify_blob(version)
         except CorruptBlobError as exc:
             raise BlobError(str(exc)) from exc
-        return version.id, GatePredictor.from_bytes(blob, expected_schema_hash=schema_hash())
+        return version.id, gate_from_blob(blob)
 
 
-__all__ = ["CHAMPION", "NoChampionError", "load_gate", "StorageError"]
+__all__ = ["CHAMPION", "NoChampionError", "UnloadableVersionError", "load_gate", "promote", "unloadable_reason",
+           "StorageError"]

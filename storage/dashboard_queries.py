@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Engine, func, inspect, select
@@ -28,6 +28,7 @@ from storage.models import (
 )
 from storage.overrides import list_overrides, override_state, snapshot
 from storage.stats import HIST_BINS, LONG
+from storage.versions import CHAMPION, get_alias_version, version_problem
 
 REQUIRED_TABLES = ("predictor_versions", "aliases", "decision_events", "stat_buckets", "tau_history", "tau_overrides")
 DEFAULT_SAMPLE = 50_000  # newest decision events used for calibration and the PR curve
@@ -224,15 +225,34 @@ def overrides_audit(session: Session, now: datetime | None = None) -> list[dict[
 
 
 def versions(session: Session) -> list[dict[str, Any]]:
-    """Lineage: every version with its parent, metrics and which aliases point at it."""
+    """Lineage: every version with its parent, metrics, which aliases point at it, and why it
+    cannot be served if its stored blob no longer matches its checksum (the dashboard loads no model)."""
     aliases: dict[int, list[str]] = {}
     for name, vid in session.execute(select(Alias.name, Alias.version_id).order_by(Alias.name)):
         aliases.setdefault(vid, []).append(name)
-    stmt = select(PredictorVersion.id, PredictorVersion.parent_id, PredictorVersion.created_at, PredictorVersion.kind,
-                  PredictorVersion.metrics, PredictorVersion.reason, PredictorVersion.created_by
-                  ).order_by(PredictorVersion.id)
-    return [{"id": i, "parent_id": p, "created_at": c, "kind": k, "aliases": ", ".join(aliases.get(i, [])),
-             "metrics": m, "reason": r, "created_by": b} for i, p, c, k, m, r, b in session.execute(stmt)]
+    return [{"id": v.id, "parent_id": v.parent_id, "created_at": v.created_at, "kind": v.kind,
+             "aliases": ", ".join(aliases.get(v.id, [])), "unloadable": version_problem(v) or "",
+             "metrics": v.metrics, "reason": v.reason, "created_by": v.created_by}
+            for v in session.scalars(select(PredictorVersion).order_by(PredictorVersion.id))]
+
+
+def champion_status(session: Session, now: datetime | None = None, grace: timedelta = timedelta(seconds=30),
+                    window: timedelta = timedelta(minutes=5)) -> dict[str, Any]:
+    """Is the champion what replicas serve? Decision events record the version that decided them,
+    so events after the alias moved (plus ``grace`` for replicas to poll) that come from another
+    version mean a replica could not load the champion and serves its last good gate."""
+    champ = get_alias_version(session, CHAMPION)
+    if champ is None:
+        return {"version": None, "problem": None, "since": None, "served": {}, "stale": {}}
+    now = now or utcnow()
+    moved = session.scalar(select(func.max(AliasEvent.at)).where(AliasEvent.alias_name == CHAMPION,
+                                                                  AliasEvent.to_version_id == champ.id))
+    since = max(moved + grace, now - window) if moved is not None else now - window
+    stmt = (select(DecisionEvent.predictor_version_id, func.count()).where(DecisionEvent.at >= since)
+            .group_by(DecisionEvent.predictor_version_id))
+    served = {vid: int(n) for vid, n in session.execute(stmt)}
+    return {"version": champ.id, "problem": version_problem(champ), "since": since, "served": served,
+            "stale": {vid: n for vid, n in served.items() if vid is not None and vid != champ.id}}
 
 
 def alias_events(session: Session) -> list[dict[str, Any]]:
@@ -266,6 +286,7 @@ def health(session: Session) -> dict[str, Any]:
         "last_bucket_at": session.scalar(select(func.max(StatBucket.bucket_start))),
         "last_learner_update": max(updates) if updates else None,
         "database_bytes": database_size(session),
+        "champion": champion_status(session),
         "replicas": [{"replica": r.replica, "updated_at": r.updated_at, "queue_depth": r.queue_depth,
                       "events_written": r.events_written, "events_dropped": r.events_dropped,
                       "flush_ms": round(r.flush_ms, 2)} for r in replica_health(session)],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import func, select
@@ -18,6 +19,19 @@ from storage.models import Alias, AliasEvent, PredictorVersion, utcnow
 
 CHAMPION = "champion"  # the alias of the version the controller serves
 _MAX_HASH_LEN = 64
+
+BlobCheck = Callable[[bytes], None]
+"""Loads and scores a model's bytes, raising ValueError that says what is wrong. Storage cannot
+load a model itself (it imports no predictor code), so whoever knows the model passes one."""
+
+
+class UnloadableVersionError(StorageError, ValueError):
+    """A version whose blob does not load or score; no alias may point at it."""
+
+    def __init__(self, version_id: int, problem: str) -> None:
+        self.version_id = version_id
+        self.problem = problem
+        super().__init__(f"predictor version v{version_id} is unloadable: {problem}")
 
 
 def sha256_hex(data: bytes) -> str:
@@ -106,9 +120,14 @@ def create_version(
     return version
 
 
-def set_alias(session: Session, name: str, version_id: int, *, reason: str, actor: str) -> None:
-    """Point ``name`` at a version and record the move, so promotions are auditable."""
-    get_version(session, version_id)
+def set_alias(session: Session, name: str, version_id: int, *, reason: str, actor: str,
+              check: BlobCheck | None = None) -> None:
+    """Point ``name`` at a version and record the move, so promotions are auditable. The blob is
+    verified first (its checksum here, loading and scoring through ``check``): an alias at a
+    version no replica can load would stop every replica following it."""
+    problem = version_problem(get_version(session, version_id), check)
+    if problem is not None:
+        raise UnloadableVersionError(version_id, problem)
     # Row lock on PostgreSQL so concurrent promotions serialise; no-op on SQLite
     # (whose writers are already serialised by the database lock).
     alias = session.get(Alias, name, with_for_update=True)
@@ -162,6 +181,19 @@ def verify_blob(version: PredictorVersion) -> bytes:
     if actual != version.blob_sha256:
         raise CorruptBlobError(version.id, version.blob_sha256, actual)
     return data
+
+
+def version_problem(version: PredictorVersion, check: BlobCheck | None = None) -> str | None:
+    """Why the version cannot be served, or None if its blob verifies (and passes ``check``)."""
+    try:
+        data = verify_blob(version)
+        if check is not None:
+            check(data)
+    except CorruptBlobError:
+        return f"blob sha256 mismatch (recorded {version.blob_sha256[:12]}, computed {sha256_hex(bytes(version.blob))[:12]})"
+    except ValueError as exc:
+        return str(exc) or type(exc).__name__
+    return None
 
 
 def add_drift_event(session: Session, *, at, workload: str, detector: str, detail: dict,

@@ -159,6 +159,7 @@ def _eval(args: argparse.Namespace, engine) -> int:
 
 
 def _versions(args: argparse.Namespace, engine) -> int:
+    from predictor.champion import unloadable_reason
     from storage.engine import session_scope
     from storage.versions import get_alias_version, list_versions
 
@@ -173,8 +174,10 @@ def _versions(args: argparse.Namespace, engine) -> int:
             shadow = (v.metrics or {}).get("shadow")
             quality = (f"precision@6={m.get('precision_ge6', '?')} recall@6={m.get('recall_ge6', '?')} mae={m.get('mae', '?')}"
                        if not shadow else f"shadow gain={shadow['gain']:+.4f} mae={shadow['challenger_mae']}")
+            problem = unloadable_reason(v)
             print(f"{mark} v{v.id} parent={v.parent_id or '-'} {v.created_at:%Y-%m-%d %H:%M:%S} {v.kind} "
-                  f"{quality} schema={v.feature_schema_hash[:12]} by={v.created_by} reason={v.reason!r}")
+                  f"{quality} schema={v.feature_schema_hash[:12]} by={v.created_by} reason={v.reason!r}"
+                  + (f" UNLOADABLE: {problem}" if problem else ""))
         if args.log:
             from storage.versions import list_alias_events
 
@@ -246,9 +249,9 @@ def _scenario(args: argparse.Namespace, engine) -> int:
 
 
 def _rollback(args: argparse.Namespace, engine) -> int:
-    from predictor.champion import CHAMPION
+    from predictor.champion import CHAMPION, promote
     from storage.engine import session_scope
-    from storage.versions import get_alias_version, get_version, set_alias
+    from storage.versions import get_alias_version
 
     with session_scope(engine) as session:
         current = get_alias_version(session, CHAMPION)
@@ -257,8 +260,7 @@ def _rollback(args: argparse.Namespace, engine) -> int:
         target = args.to if args.to is not None else current.parent_id
         if target is None:
             raise LookupError(f"champion v{current.id} has no parent: give --to VERSION")
-        get_version(session, target)
-        set_alias(session, CHAMPION, target, reason=f"rollback: {args.reason}", actor=args.author)
+        promote(session, target, reason=f"rollback: {args.reason}", actor=args.author)  # refuses an unloadable blob
     print(f"champion: v{current.id} -> v{target}")
     return 0
 

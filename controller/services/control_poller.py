@@ -1,21 +1,29 @@
 """Each replica's view of the control plane, refreshed in the background: the champion predictor,
 the learned tau corrections and the active overrides. The decode path only ever reads the last
-snapshot; if the database is unreachable the replica keeps deciding with what it has."""
+snapshot; if the database is unreachable the replica keeps deciding with what it has.
+
+A champion that will not load does not hold back the rest: the replica keeps its last good gate,
+says so once per new failure (log and `champion_problem`), and still applies overrides and
+corrections, which are what an operator reaches for when the model misbehaves."""
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
 from datetime import datetime, timezone
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from controller.core.runtime import Controls, Runtime
-from controller.services.lifecycle import BackgroundService
+from controller.services.lifecycle import BackgroundService, Health
 from predictor.champion import CHAMPION, load_gate
 from predictor.mlp import BlobError
 from storage.engine import session_scope
 from storage.errors import StorageError
 from storage.overrides import snapshot
 from storage.versions import get_alias_version, latest_corrections
+
+log = logging.getLogger("hvd.controls")
 
 
 class ControlPoller(BackgroundService):
@@ -25,23 +33,47 @@ class ControlPoller(BackgroundService):
         super().__init__(interval, max_backoff=interval)  # keep polling at the interval while it is down
         self.engine = engine
         self.runtime = runtime
+        # "v7: <why>" while the champion cannot be loaded here and the last good gate is served; else None
+        self.champion_problem: str | None = None
 
     def poll_once(self) -> bool:
         """One refresh; False (and the old snapshot kept) if the database could not be read."""
         try:
             with session_scope(self.engine) as s:
                 current = get_alias_version(s, CHAMPION)
+                champion_id = current.id if current is not None else None
                 corrections = latest_corrections(s)
                 overrides = snapshot(s, datetime.now(timezone.utc))
-            if current is not None and current.id != self.runtime.version_id:
-                version_id, gate = load_gate(self.engine, current.id)
-                self.runtime.set_gate(gate, version_id)
-        except (SQLAlchemyError, StorageError, BlobError) as exc:
+        except (SQLAlchemyError, StorageError) as exc:
             self.failed(exc)
             return False
         self.runtime.set_controls(Controls(corrections=corrections, overrides=overrides))
+        if champion_id is not None and champion_id != self.runtime.version_id:
+            self._load_champion(champion_id)
+        elif champion_id == self.runtime.version_id:
+            self.champion_problem = None  # e.g. the alias went back to the gate this replica serves
         self.succeeded()
         return True
+
+    def _load_champion(self, version_id: int) -> None:
+        try:
+            loaded_id, gate = load_gate(self.engine, version_id)
+        except (SQLAlchemyError, StorageError, BlobError) as exc:
+            problem = f"v{version_id}: {exc}"
+            if problem != self.champion_problem:
+                log.error("champion %s cannot be loaded on this replica; still serving v%s with current overrides: %s",
+                          f"v{version_id}", self.runtime.version_id, exc)
+            self.champion_problem = problem
+            return
+        self.runtime.set_gate(gate, loaded_id)
+        if self.champion_problem is not None:
+            log.warning("champion v%s loaded; the earlier load failure is over", loaded_id)
+        self.champion_problem = None
+
+    def health(self) -> Health:
+        """As every service's, with the champion that did not load as the last error while it lasts."""
+        h = super().health()
+        return h if self.champion_problem is None else replace(h, last_error=f"champion not loaded: {self.champion_problem}")
 
     def round(self) -> float:
         return self.interval if self.poll_once() else self.retry.failed()

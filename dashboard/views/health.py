@@ -25,6 +25,21 @@ m[4].metric("Last learner update", h["last_learner_update"].strftime("%Y-%m-%d %
 st.caption("Good: dropped events stays 0 (the event queue never filled), the last learner update is recent "
            "while serving, and drift events are rare.")
 st.write(f"Last decision event: {h['last_event_at'] or 'none'}; last statistics bucket: {h['last_bucket_at'] or 'none'}.")
+st.subheader("Champion")
+c = h["champion"]
+if c["version"] is None:
+    st.info("No champion predictor: run `make warmstart`.")
+else:
+    if c["problem"]:
+        st.error(f"Champion v{c['version']} is unloadable: {c['problem']}. Replicas keep serving their last good "
+                 "version; roll back (Versions page or `hvd rollback`).")
+    if c["stale"]:
+        others = ", ".join(f"v{v} ({fmt(n)} events)" for v, n in sorted(c["stale"].items()))
+        st.error(f"Since {c['since']:%Y-%m-%d %H:%M:%S} UTC decisions came from {others}, not champion "
+                 f"v{c['version']}: a replica could not load the champion (its log says why) and serves its last "
+                 "good version; overrides and corrections still apply there.")
+    elif not c["problem"]:
+        st.success(f"Champion v{c['version']}: every decision since {c['since']:%Y-%m-%d %H:%M:%S} UTC came from it.")
 st.subheader("Serving replicas")
 if h["replicas"]:
     worst = max(h["replicas"], key=lambda r: r["queue_depth"])

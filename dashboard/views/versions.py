@@ -7,7 +7,7 @@ import streamlit as st
 from dashboard.common import admin_sidebar, engine_or_stop, read_session, stop_if_empty
 from storage import dashboard_queries as q
 from storage.engine import session_scope
-from storage.versions import CHAMPION, get_alias_version, set_alias
+from storage.versions import CHAMPION, UnloadableVersionError, get_alias_version, set_alias
 
 st.title("Versions")
 admin = admin_sidebar()
@@ -29,7 +29,8 @@ if rows:
     df = pd.DataFrame(rows)
     df["metrics"] = df["metrics"].map(lambda m: str(m)[:200])
     st.dataframe(df, hide_index=True, width="stretch")
-    st.caption("parent_id links each version to the one it was trained from; aliases shows what is live.")
+    st.caption("parent_id links each version to the one it was trained from; aliases shows what is live; "
+               "unloadable names a version whose stored blob no longer matches its checksum (never promoted).")
 else:
     st.info("No predictor versions: run `make warmstart`.")
 
@@ -53,8 +54,12 @@ def move(to_version: int, why: str) -> None:
     elif not reason.strip():
         st.error("A reason is required; nothing changed.")
     else:
-        with session_scope(engine) as s:
-            set_alias(s, CHAMPION, int(to_version), reason=f"{why}: {reason.strip()}", actor=admin.name)
+        try:
+            with session_scope(engine) as s:
+                set_alias(s, CHAMPION, int(to_version), reason=f"{why}: {reason.strip()}", actor=admin.name)
+        except UnloadableVersionError as exc:
+            st.error(f"{exc}; nothing changed.")
+            return
         st.success(f"champion: v{champ_id} -> v{to_version} ({why}, by {admin.name}). Replicas pick it up within seconds.")
 
 
