@@ -1,6 +1,7 @@
 """Plugin configuration at the edge: off by default, a foreign vLLM refused, bad settings named."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -79,10 +80,57 @@ def test_benchmarked_methods_configure_engine_and_plugin():
         ve.speculative_config("hvd", head=ve.MODELS / "missing")
 
 
-def test_per_request_opt_out():
-    """`hvd_speculate` as JSON or as the flag strings; anything else speculates (a client's typo
-    must not take the engine down)."""
-    from controller.engines.vllm_hybrid import _speculate
+# The request check as the OpenAI server and the offline API meet it, in a process of its own
+# (it patches vLLM's SamplingParams and request models).
+CHECK_PROCESS = """
+import json
+from controller.engines import vllm_plugin
+vllm_plugin.register()
+from vllm import SamplingParams
+from vllm.exceptions import VLLMValidationError
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+out = []
+for extra in ({"hvd_workload": "poetry"}, {"hvd_speculate": "maybe"}, {"hvd_speculate": 2}, {"hvd_speculate": [1, 2]},
+              {"hvd_tenant": "a\\nb"}, {"hvd_workload": "sql", "hvd_speculate": False, "other": 1}, None):
+    try:
+        SamplingParams(extra_args=extra)
+        out.append("ok")
+    except VLLMValidationError as exc:
+        out.append(exc.parameter)
+req = CompletionRequest.model_validate({"model": "m", "prompt": "p", "vllm_xargs": {"hvd_speculate": False, "n": 1}})
+out.append(req.vllm_xargs)
+print(json.dumps(out))
+"""
 
-    values = (True, False, 0, "false", "OFF", "0", "yes", "maybe")
-    assert [_speculate("r", v) for v in values] == [True, False, False, False, False, False, True, True]
+
+def test_bad_request_metadata_is_a_validation_error_naming_the_field():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HVD_")} | {vllm_plugin.ENV_ENABLE: "1"}
+    run = subprocess.run([sys.executable, "-c", CHECK_PROCESS], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout.splitlines()[-1]) == [
+        "hvd_workload", "hvd_speculate", "hvd_speculate", "hvd_speculate", "hvd_tenant", "ok", "ok",
+        {"hvd_speculate": False, "n": 1}]  # a JSON false stays a boolean (vLLM's own types make it 0)
+
+
+def test_metadata_refused_once_per_request_in_the_runner(caplog):
+    """A bad value that reaches the runner (extra_args changed after validation) is refused once:
+    one log line, and the request decodes without speculation under the defaults."""
+    from types import SimpleNamespace
+
+    from controller.core.request_metadata import RequestMetadata
+    from controller.engines.vllm_hybrid import HybridState
+    from controller.settings import ServingSettings
+
+    state = object.__new__(HybridState)
+    state.settings, state._meta = ServingSettings.from_env(), {}
+    params = {"bad": {"hvd_workload": "poetry"}, "good": {"hvd_tenant": "acme", "hvd_speculate": False}}
+    runner = SimpleNamespace(requests={r: SimpleNamespace(sampling_params=SimpleNamespace(extra_args=x))
+                                       for r, x in params.items()})
+    with caplog.at_level("ERROR", logger="hvd.vllm"):
+        seen = [state._metadata(runner, r) for _ in range(5) for r in params]
+    assert seen[:2] == [RequestMetadata(state.settings.default_tenant, state.settings.default_workload, False),
+                        RequestMetadata("acme", state.settings.default_workload, False)]
+    assert seen == seen[:2] * 5
+    assert [r.getMessage() for r in caplog.records] == [
+        "request 'bad': refused HVD metadata (hvd_workload must be one of agentic, code_edit, coding, sql, chat; "
+        "got 'poetry'); decoding it without speculation"]

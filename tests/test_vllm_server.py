@@ -1,5 +1,6 @@
 """`hvd serve --engine vllm` end to end: the real OpenAI-compatible server answers a completion
-request carrying tenant/workload metadata, and that request's events reach SQL under them."""
+request carrying tenant/workload metadata, and that request's events reach SQL under them; bad
+metadata is an HTTP 400 naming the field."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -86,3 +88,34 @@ def test_completion_with_metadata_reaches_sql(server):
     assert events, "no events under tenant acme reached SQL"
     assert {e.workload for e in events} == {"agentic"}
     assert any(e.drafter == "cache" for e in events)
+
+
+def _status(url: str, body: dict) -> tuple[int, dict]:
+    try:
+        return 200, _post(url, body)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.mark.parametrize(("xargs", "field"), [
+    ({"hvd_workload": "poetry"}, "hvd_workload"),
+    ({"hvd_speculate": "maybe"}, "hvd_speculate"),
+    ({"hvd_speculate": 2}, "hvd_speculate"),
+    ({"hvd_speculate": [1, 2]}, "hvd_speculate"),
+    ({"hvd_tenant": "a\nb"}, "hvd_tenant"),
+])
+def test_bad_metadata_is_http_400_naming_the_field(server, xargs, field):
+    base, _ = server
+    for path, body in (("/v1/completions", {"prompt": "GET /fhir"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        status, answer = _status(base + path, {"model": "smollm2", "max_tokens": 4, "vllm_xargs": xargs, **body})
+        assert status == 400, answer
+        assert answer["error"]["param"] == field and answer["error"]["message"].startswith(field), answer
+
+
+def test_good_metadata_with_opt_out_still_served(server):
+    base, _ = server
+    status, answer = _status(base + "/v1/completions", {
+        "model": "smollm2", "prompt": "GET /fhir", "max_tokens": 4, "temperature": 0,
+        "vllm_xargs": {"hvd_tenant": "acme", "hvd_workload": "sql", "hvd_speculate": False}})
+    assert status == 200 and answer["usage"]["completion_tokens"] == 4, answer

@@ -13,13 +13,13 @@ import socket
 from pathlib import Path
 
 from controller.core.decision import CACHE, MODEL
+from controller.core.request_metadata import RequestMetadata, RequestMetadataError, parse_request_metadata
 from controller.core.runtime import RequestInput
 from controller.services.stack import ServiceStack, decision_config
-from controller.settings import ServingSettings, SettingsError, parse_flag
+from controller.settings import ServingSettings, SettingsError
 from predictor.cache_drafter import SuffixConfig
 from predictor.profiles import cost_profiles, drafter_profiles
 from predictor.tokens import TraceTokenizer
-from predictor.traces import WORKLOADS
 from storage.engine import make_engine
 from storage.migrate import upgrade
 from storage.settings import database_url
@@ -55,6 +55,7 @@ class HybridState:
             num_speculative_tokens=self.k_max,
         )
         self.settings = settings
+        self._meta: dict[str, RequestMetadata] = {}  # per running request, parsed when first seen
         # Every replica follows the control plane; the one holding the learner lock also learns.
         self.stack = ServiceStack.build(engine, decision, tokenizer.classes,
                                         replica=f"{socket.gethostname()}-{os.getpid()}", learn=settings.learn,
@@ -62,6 +63,22 @@ class HybridState:
         self.runtime = self.stack.runtime
         log.info("HVD hybrid drafter on: predictor v%s, fallback %s, K_MAX %d", self.runtime.version_id, fallback,
                  self.k_max)
+
+    def _metadata(self, runner, req_id: str) -> RequestMetadata:
+        """The request's metadata, parsed once. vLLM refuses bad values when it builds the
+        SamplingParams (vllm_plugin.check_requests); one that gets here anyway (extra_args changed
+        afterwards) is refused once: logged, and the request decodes without speculation, as its
+        tenant's overrides cannot be known."""
+        meta = self._meta.get(req_id)
+        if meta is None:
+            s = self.settings
+            try:
+                meta = parse_request_metadata(_extra_args(runner, req_id), s.default_tenant, s.default_workload)
+            except RequestMetadataError as exc:
+                log.error("request %s: refused HVD metadata (%s); decoding it without speculation", ascii(req_id), exc)
+                meta = RequestMetadata(s.default_tenant, s.default_workload, speculate=False)
+            self._meta[req_id] = meta
+        return meta
 
     def propose(self, runner, original, scheduler_output, sampled_token_ids, args, kwargs) -> list[list[int]]:
         ib = runner.input_batch
@@ -72,22 +89,15 @@ class HybridState:
         for i, req_id in enumerate(req_ids):
             if not valid[i]:  # still prefilling: nothing sampled, nothing to draft
                 continue
-            extra = _extra_args(runner, req_id)
+            meta = self._metadata(runner, req_id)
             prompt = None if req_id in known else ib.token_ids_cpu[i, : int(ib.num_prompt_tokens[i])].copy()
-            workload = str(extra.get("hvd_workload", self.settings.default_workload))
-            if workload not in WORKLOADS:  # a client's typo must not take the engine down
-                log.warning("request %s: unknown hvd_workload %r (known: %s); using %r", req_id, workload,
-                            ", ".join(WORKLOADS), self.settings.default_workload)
-                workload = self.settings.default_workload
-            inputs.append(RequestInput(
-                req_id, valid[i], prompt,
-                tenant=str(extra.get("hvd_tenant", self.settings.default_tenant))[:128],
-                workload=workload,
-                speculate=_speculate(req_id, extra.get("hvd_speculate", True)),
-            ))
+            inputs.append(RequestInput(req_id, valid[i], prompt, tenant=meta.tenant, workload=meta.workload,
+                                       speculate=meta.speculate))
             rows.append(i)
         running = set(req_ids)
         finished = [r for r in known if r not in running]
+        for r in [r for r in self._meta if r not in running]:
+            del self._meta[r]
         plan = self.runtime.step(inputs, finished)
         eagle_rows = None
         wanted = (plan.source == MODEL).any()
@@ -117,19 +127,7 @@ def _valid_sampled_lists(runner, sampled_token_ids) -> list[list[int]]:
     return [[] if discard[i] else [t for t in row if t >= 0] for i, row in enumerate(rows)]
 
 
-def _extra_args(runner, req_id: str) -> dict:
+def _extra_args(runner, req_id: str) -> object:
     state = runner.requests.get(req_id)
     params = getattr(state, "sampling_params", None)
-    return dict(getattr(params, "extra_args", None) or {})
-
-
-def _speculate(req_id: str, value: object) -> bool:
-    """A request's `hvd_speculate`: JSON true/false, or the flag strings the settings accept; a value
-    that is neither speculates (a client's typo must not take the engine down)."""
-    if not isinstance(value, str):
-        return bool(value)
-    try:
-        return parse_flag(value)
-    except ValueError as allowed:
-        log.warning("request %s: hvd_speculate=%r is not %s; speculating", req_id, value, allowed)
-        return True
+    return getattr(params, "extra_args", None)

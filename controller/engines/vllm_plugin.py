@@ -16,7 +16,10 @@ lists. Skipping EAGLE leaves its own KV cache without the positions of those ste
 drafts may be worse, never wrong (verification is exact).
 
 Per-request metadata (`SamplingParams.extra_args`, `vllm_xargs` in the OpenAI API):
-`hvd_tenant`, `hvd_workload` (agentic, code_edit, coding, sql, chat), `hvd_speculate` (false = opt out).
+`hvd_tenant`, `hvd_workload` (agentic, code_edit, coding, sql, chat), `hvd_speculate` (a JSON
+boolean; false = opt out), checked by controller.core.request_metadata when the SamplingParams are
+built: the OpenAI server answers a bad value with HTTP 400 naming the field, and the offline API
+raises at `SamplingParams(...)`.
 
 Settings: the HVD_* environment variables of controller/settings.py (one table, one parser, every
 value checked before the engine is touched). With HVD_HYBRID unset, `register()` returns at once:
@@ -38,6 +41,7 @@ if TYPE_CHECKING:
 SUPPORTED_VLLM = "0.32.0"
 ENV_ENABLE = "HVD_HYBRID"
 _PATCHED = False
+_CHECKING = False
 _STATES: list["HybridState"] = []
 _LOCK = threading.Lock()
 
@@ -52,7 +56,8 @@ def register() -> None:
     if not enabled():
         return
     check_version()
-    ServingSettings.from_env()  # a bad value stops vLLM now, not at its first decoding step
+    settings = ServingSettings.from_env()  # a bad value stops vLLM now, not at its first decoding step
+    check_requests(settings)
     install()
 
 
@@ -86,6 +91,46 @@ def install() -> None:
         propose_draft_token_ids.__wrapped__ = original  # type: ignore[attr-defined]
         GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
         _PATCHED = True
+
+
+def check_requests(settings: ServingSettings) -> None:
+    """Refuse bad request metadata where vLLM validates a request: `SamplingParams._verify_args`,
+    whose VLLMValidationError the OpenAI server answers with a 400 naming the parameter. The API's
+    `vllm_xargs` also learns JSON booleans: its declared types would turn `false` into 0 before
+    anyone could tell them apart. Idempotent."""
+    global _CHECKING
+    with _LOCK:
+        if _CHECKING:
+            return
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMValidationError
+
+        from controller.core.request_metadata import RequestMetadataError, parse_request_metadata
+
+        original = SamplingParams._verify_args
+
+        def _verify_args(self) -> None:
+            original(self)
+            try:
+                parse_request_metadata(self.extra_args, settings.default_tenant, settings.default_workload)
+            except RequestMetadataError as exc:
+                raise VLLMValidationError(str(exc), parameter=exc.field) from None
+
+        _verify_args.__wrapped__ = original  # type: ignore[attr-defined]
+        SamplingParams._verify_args = _verify_args
+        _keep_json_booleans()
+        _CHECKING = True
+
+
+def _keep_json_booleans() -> None:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+    scalar = bool | str | int | float
+    for model in (ChatCompletionRequest, CompletionRequest, ResponsesRequest):
+        model.model_fields["vllm_xargs"].annotation = dict[str, scalar | list[scalar]] | None
+        model.model_rebuild(force=True)
 
 
 def runtimes() -> list["Runtime"]:
