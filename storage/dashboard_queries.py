@@ -6,6 +6,7 @@ Session; nothing here writes. The dashboard (and its tests) compare what is show
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Sequence
@@ -289,8 +290,28 @@ def health(session: Session) -> dict[str, Any]:
         "champion": champion_status(session),
         "replicas": [{"replica": r.replica, "updated_at": r.updated_at, "queue_depth": r.queue_depth,
                       "events_written": r.events_written, "events_dropped": r.events_dropped,
-                      "flush_ms": round(r.flush_ms, 2)} for r in replica_health(session)],
+                      "flush_ms": round(r.flush_ms, 2), **_service_states(r.services)}
+                     for r in replica_health(session)],
     }
+
+
+CHAMPION_NOT_LOADED = "champion not loaded: "  # how the control poller reports it (its last_error)
+
+
+def _service_states(services: str | None) -> dict[str, str]:
+    """From a heartbeat's services JSON: each service's state ("hvd-learner: retrying") and the
+    champion this replica could not load, if any."""
+    try:
+        states = json.loads(services) if services else []
+        if not isinstance(states, list):
+            states = []
+    except ValueError:
+        states = []
+    states = [s for s in states if isinstance(s, dict)]
+    problem = next((str(s["last_error"])[len(CHAMPION_NOT_LOADED):] for s in states
+                    if str(s.get("last_error") or "").startswith(CHAMPION_NOT_LOADED)), "")
+    return {"services": ", ".join(f"{s.get('name')}: {s.get('state')}" for s in states),
+            "champion_not_loaded": problem}
 
 
 def drift_events(session: Session, limit: int = 200) -> list[dict[str, Any]]:

@@ -352,3 +352,57 @@ def test_wrong_tokens_typed_in_the_sidebar_lock_the_page(db, monkeypatch, small_
         login(page("thresholds"), token=guess)
     assert any("too many wrong" in i.value for i in login(page("thresholds")).info)
     assert not run(admin).text_input(key="set_tenant").disabled
+
+
+def test_unloadable_champion_shown_on_health_and_versions_and_never_promoted(tmp_path, monkeypatch):
+    """v2 corrupted in SQL and made champion behind the checks' back; recent decisions still from v1;
+    a replica's heartbeat says its poller could not load v2."""
+    import json
+
+    from sqlalchemy import text
+
+    url = f"sqlite:///{tmp_path / 'hvd.db'}"
+    engine = make_engine(url)
+    upgrade(engine)
+    now = datetime.now(timezone.utc)
+    with session_scope(engine) as s:
+        v1 = create_version(s, blob=b"one", kind="mlp", feature_schema_hash="h", metrics={}, training_summary={},
+                            reason="t", created_by="t")
+        set_alias(s, "champion", v1.id, reason="init", actor="t")
+        v2 = create_version(s, blob=b"two", kind="mlp", feature_schema_hash="h", metrics={}, training_summary={},
+                            reason="t", created_by="t", parent_id=v1.id)
+        v1_id, v2_id = v1.id, v2.id
+        s.add_all(DecisionEvent(at=now, tenant="acme", workload="chat", request_id="r", position=i, drafter="cache",
+                                decision="cache", draft_len=8, accepted=1, predicted=1.0, predictor_version_id=v1_id)
+                  for i in range(3))
+        poller = {"name": "hvd-controls", "state": "ok", "failures": 0, "failing": 0, "last_success": None,
+                  "last_error": f"champion not loaded: v{v2_id}: predictor version {v2_id}: blob sha256 mismatch"}
+        s.add(ReplicaHealth(replica="r1", updated_at=now, queue_depth=0, events_written=3, events_dropped=0,
+                            flush_ms=1.0, services=json.dumps([poller])))
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE predictor_versions SET blob = :b WHERE id = :i"), {"b": b"tw0", "i": v2_id})
+        conn.execute(text("UPDATE aliases SET version_id = :v, updated_at = :t WHERE name = 'champion'"),
+                     {"v": v2_id, "t": now - timedelta(minutes=1)})
+        conn.execute(text("INSERT INTO alias_events (alias_name, from_version_id, to_version_id, at, reason, actor) "
+                          "VALUES ('champion', :a, :b, :t, 'sql', 'test')"),
+                     {"a": v1_id, "b": v2_id, "t": now - timedelta(minutes=1)})
+    monkeypatch.setenv("HVD_DATABASE_URL", url)
+    monkeypatch.setenv("HVD_ADMIN_TOKEN", TOKEN)
+    errors = [e.value for e in run(page("health")).error]
+    assert errors[0].startswith(f"Champion v{v2_id} is unloadable: blob sha256 mismatch")
+    assert f"decisions came from v{v1_id} (3 events), not champion v{v2_id}" in errors[1]
+    assert errors[2].startswith(f"Replica r1 could not load the champion (v{v2_id}: predictor version {v2_id}: blob")
+    at = login(page("versions"))
+    lineage = at.dataframe[0].value.set_index("id")["unloadable"]
+    assert lineage[v1_id] == "" and lineage[v2_id].startswith("blob sha256 mismatch")
+    with engine.begin() as conn:  # the operator's way back: v1 is loadable ...
+        conn.execute(text("UPDATE aliases SET version_id = :v WHERE name = 'champion'"), {"v": v1_id})
+    at = login(page("versions"))
+    at.text_input(key="version_reason").input("try v2")
+    at.selectbox[0].select(v2_id)
+    next(b for b in at.button if b.label == "Promote to champion").click()
+    run(at)  # ... and v2 is refused, nothing changed
+    assert any(e.value.startswith(f"predictor version v{v2_id} is unloadable: blob sha256 mismatch") for e in at.error)
+    with session_scope(engine) as s:
+        assert get_alias_version(s, "champion").id == v1_id
+    engine.dispose()

@@ -38,7 +38,11 @@ else:
         st.error(f"Since {c['since']:%Y-%m-%d %H:%M:%S} UTC decisions came from {others}, not champion "
                  f"v{c['version']}: a replica could not load the champion (its log says why) and serves its last "
                  "good version; overrides and corrections still apply there.")
-    elif not c["problem"]:
+    for r in h["replicas"]:
+        if r["champion_not_loaded"]:
+            st.error(f"Replica {r['replica']} could not load the champion ({r['champion_not_loaded']}); it serves its "
+                     "last good version and still applies overrides.")
+    if not (c["stale"] or c["problem"] or any(r["champion_not_loaded"] for r in h["replicas"])):
         st.success(f"Champion v{c['version']}: every decision since {c['since']:%Y-%m-%d %H:%M:%S} UTC came from it.")
 st.subheader("Serving replicas")
 if h["replicas"]:
