@@ -26,9 +26,23 @@ def _run(engine_or_url: Engine | str, fn_name: str, revision: str) -> None:
     engine = make_engine(engine_or_url) if isinstance(engine_or_url, str) else engine_or_url
     try:
         config = alembic_config()
-        with engine.begin() as conn:
-            config.attributes["connection"] = conn
-            getattr(command, fn_name)(config, revision)
+        with engine.connect() as conn:
+            sqlite = conn.dialect.name == "sqlite"
+            if sqlite:
+                # Batch mode recreates a table (drop, rename); with foreign keys on, dropping a table
+                # that other rows reference fails. SQLite ignores this pragma inside a transaction.
+                conn.exec_driver_sql("PRAGMA foreign_keys=OFF")
+                conn.commit()
+            try:
+                with conn.begin():
+                    config.attributes["connection"] = conn
+                    getattr(command, fn_name)(config, revision)
+                    if sqlite and conn.exec_driver_sql("PRAGMA foreign_key_check").first() is not None:
+                        raise RuntimeError(f"{fn_name} to {revision} left rows whose foreign keys do not match")
+            finally:
+                if sqlite:
+                    conn.exec_driver_sql("PRAGMA foreign_keys=ON")
+                    conn.commit()
     finally:
         if owned:
             engine.dispose()

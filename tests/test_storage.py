@@ -107,6 +107,27 @@ def test_downgrade_one_step_keeps_earlier_data(engine: Engine) -> None:
     assert "decision_events" in set(inspect(engine).get_table_names())
 
 
+def test_migrations_keep_a_champion_and_its_history(engine: Engine) -> None:
+    """A database in use (a champion, its alias history) goes up and down through every revision that
+    recreates tables: on SQLite that means dropping tables other rows reference."""
+    upgrade(engine, "0004")
+    with session_scope(engine) as s:
+        v1, v2 = _new_version(s, blob=b"one"), _new_version(s, blob=b"two")
+        set_alias(s, "champion", v1.id, reason="first", actor="trainer")
+        set_alias(s, "champion", v2.id, reason="second", actor="learner")
+        ids = (v1.id, v2.id)
+    for revision in ("head", "0004", "head"):
+        (upgrade if revision == "head" else downgrade)(engine, revision)
+        with session_scope(engine) as s:
+            assert get_alias_version(s, "champion").id == ids[1]
+            assert [(e.from_version_id, e.to_version_id) for e in list_alias_events(s, "champion")] == \
+                [(None, ids[0]), (ids[0], ids[1])]
+    assert current_revision(engine) == head_revision()
+    if engine.dialect.name == "sqlite":
+        with engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+
+
 def test_downgrade_to_base_removes_tables(engine: Engine) -> None:
     upgrade(engine)
     downgrade(engine, "base")
