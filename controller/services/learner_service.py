@@ -18,14 +18,14 @@ from sqlalchemy import Engine
 from controller.core.decision import DecisionConfig
 from controller.core.tau_tuner import TauTuner
 from controller.services.lifecycle import BackgroundService
-from predictor.champion import CHAMPION, load_gate
+from predictor.champion import CHAMPION, load_gate, promote
 from predictor.goodput import model_step_ms
 from predictor.online import LearnerConfig, OnlineLearner, batch_from_events
 from predictor.promotion import ShadowScore
 from predictor.traces import WORKLOADS
 from storage.engine import session_scope
 from storage.events import events_after, last_event_id
-from storage.versions import add_drift_event, add_tau_history, create_version, get_alias_version, set_alias
+from storage.versions import add_drift_event, add_tau_history, create_version, get_alias_version
 
 
 @dataclass
@@ -114,7 +114,7 @@ class LearnerService(BackgroundService):
                 reason=(f"promoted by the online learner: goodput proxy {100 * score.gain:+.2f}% and MAE "
                         f"{score.challenger_mae:.3f} vs {score.champion_mae:.3f} over {score.events} shadow-scored events"),
                 created_by=f"learner@{self.replica}", parent_id=self.champion_id)
-            set_alias(s, CHAMPION, version.id, reason="promotion", actor=f"learner@{self.replica}")
+            promote(s, version.id, reason="promotion", actor=f"learner@{self.replica}")  # refuses an unloadable blob
             new_id = version.id
         self.champion_id = new_id
         self.stats.promotions.append(new_id)
