@@ -3,12 +3,16 @@ overrides, buffers statistics up to a bound (dropping and counting beyond it), a
 when the database returns."""
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 import torch
 from sqlalchemy import create_engine
 
 from controller.services.control_poller import ControlPoller
 from controller.core.decision import DecisionConfig
+from controller.core.events import EventQueue, LabelledEvent
 from controller.services.event_writer import EventWriter
 from controller.engines.trace_engine import run_replay
 from controller.core.runtime import Runtime
@@ -20,7 +24,8 @@ from predictor.profiles import drafter_profiles
 from predictor.tokens import TraceTokenizer
 from predictor.traces import bundled_traces_path, load_traces
 from storage.engine import make_engine, session_scope
-from storage.events import count_events
+from storage.events import count_dead_letters, count_events, list_events
+from storage.models import DeadLetterEvent
 from storage.migrate import upgrade
 from storage.overrides import OverrideSpec, set_override
 from storage.stats import read_buckets
@@ -72,3 +77,157 @@ def test_database_down_then_back(world):
         assert count_events(s) == 500
         buckets = read_buckets(s)
     assert len(buckets) == 1 and stats.pending_keys() == 0  # what survived the bound got written
+
+
+# --- the event writer under faults: poisoned rows, outages, shutdown while down ----------------------
+
+FEATURES = bytes(4 * NUM_FEATURES)  # a float32 row of zeros
+
+
+def _event(i: int, tenant: str = "tenant-a") -> LabelledEvent:
+    return LabelledEvent(at=1_700_000_000.0 + i, tenant=tenant, workload="chat", request_id=f"r{i}", position=i,
+                         drafter="cache", decision="cache", draft_len=4, accepted=i % 5, predicted=0.5, tau=1.0,
+                         predictor_version_id=None, features=FEATURES)
+
+
+def _migrated(url: str):
+    engine = make_engine(url)
+    upgrade(engine)
+    return engine
+
+
+def _tally_ok(writer: EventWriter, **expected: int) -> None:
+    t = writer.tally()
+    assert t.balanced, t
+    assert {k: getattr(t, k) for k in expected} == expected
+
+
+def test_poisoned_rows_are_dead_lettered_and_the_rest_written(db_url, tmp_path):
+    """A NUL and an over-long tenant in one batch: refused before SQL (split_storable), set aside
+    with the reason, counted; the other rows of the batch are written."""
+    engine = _migrated(db_url)
+    queue = EventQueue()
+    for i in range(10):
+        queue.put(_event(i, tenant={3: "bad\x00tenant", 7: "t" * 500}.get(i, "tenant-a")))
+    writer = EventWriter(engine, queue, batch_size=4, spill_dir=tmp_path)
+    assert writer.flush()
+    _tally_ok(writer, produced=10, written=8, dropped=0, dead_lettered=2, lost=0)
+    with session_scope(engine) as s:
+        assert count_events(s) == 8 and count_dead_letters(s) == 2
+        reasons = sorted(d.reason for d in s.query(DeadLetterEvent))
+        stored = [json.loads(d.event) for d in s.query(DeadLetterEvent).order_by(DeadLetterEvent.id)]
+    assert reasons == ["tenant contains NUL, which PostgreSQL cannot store",
+                       "tenant is 500 characters long; at most 128 allowed"]
+    assert [e["request_id"] for e in stored] == ["r3", "r7"] and stored[0]["tenant"] == "bad\x00tenant"
+
+
+def test_a_batch_the_database_refuses_is_bisected_to_the_bad_rows(tmp_path, monkeypatch):
+    """Rows the edge check misses (here: the check switched off) fail the whole executemany on
+    PostgreSQL; the writer bisects to the bad rows, dead-letters them, writes the rest."""
+    import controller.services.event_writer as event_writer
+    from conftest import postgres_schema_url
+
+    monkeypatch.setattr(event_writer, "split_storable", lambda rows: (list(rows), []))
+    urls = postgres_schema_url()
+    engine = _migrated(next(urls))
+    try:
+        queue = EventQueue()
+        bad = {5, 6, 40}
+        for i in range(64):
+            queue.put(_event(i, tenant="nul\x00" if i in bad else "tenant-a"))
+        writer = EventWriter(engine, queue, batch_size=32, spill_dir=tmp_path)
+        assert writer.flush()
+        _tally_ok(writer, produced=64, written=61, dropped=0, dead_lettered=3, lost=0)
+        with session_scope(engine) as s:
+            assert count_events(s) == 61 and count_dead_letters(s) == 3
+            assert sorted(e.position for e in list_events(s)) == [i for i in range(64) if i not in bad]
+            assert all(d.reason.startswith("refused by the database:") for d in s.query(DeadLetterEvent))
+    finally:
+        engine.dispose()
+        next(urls, None)
+
+
+def test_dead_letters_go_to_a_file_when_the_table_refuses_them(tmp_path):
+    """An unmigrated dead-letter table (here: dropped) does not block the writer: the file takes the rows."""
+    engine = _migrated(f"sqlite:///{tmp_path}/h.db")
+    with engine.begin() as conn:
+        conn.exec_driver_sql("DROP TABLE dead_letter_events")
+    queue = EventQueue()
+    for i in range(5):
+        queue.put(_event(i, tenant="x" * 200 if i == 2 else "tenant-a"))
+    writer = EventWriter(engine, queue, spill_dir=tmp_path / "spill")
+    assert writer.flush()
+    _tally_ok(writer, produced=5, written=4, dead_lettered=1, lost=0)
+    (line,) = (tmp_path / "spill" / "dead_letter_events.jsonl").read_text().splitlines()
+    assert json.loads(json.loads(line)["event"])["request_id"] == "r2" and writer.spilled == 1
+
+
+def test_shutdown_while_the_database_is_down_reports_what_is_lost(world, tmp_path):
+    """Nothing can be written within the drain time: the events still held are reported as lost
+    (and the stack's tally says so), not thrown away uncounted."""
+    engine, down, gate, records, tokenizer = world
+    queue = EventQueue(maxsize=100)
+    writer = EventWriter(down, queue, max_buffered=250, spill_dir=tmp_path).start()
+    for i in range(400):
+        queue.put(_event(i))
+        if i % 50 == 0:
+            time.sleep(0.05)
+    started = time.monotonic()
+    assert not writer.stop(5.0, drain_seconds=1.0)
+    assert time.monotonic() - started < 5.0
+    t = writer.tally()
+    assert t.balanced and t.produced == 400 and t.written == 0 and t.lost > 0 and t.lost == len(writer._buffer) + queue.depth()
+    assert t.dropped == 400 - t.lost and writer.failures >= 1
+
+
+def test_outage_through_a_proxy_loses_nothing_and_services_recover(tmp_path):
+    """PostgreSQL cut off for 3 s under a steady stream: the buffer absorbs it (nothing dropped),
+    the writer catches up within a cycle of the database's return, and the learner (whose reads
+    fail meanwhile) is running and succeeding again afterwards."""
+    from conftest import postgres_schema_url
+    from controller.services.learner_service import LearnerService
+    from tcp_proxy import TcpProxy
+
+    urls = postgres_schema_url()
+    real = next(urls)
+    proxy = TcpProxy.for_url(real)
+    engine = make_engine(proxy.url(real))
+    try:
+        upgrade(engine)
+        torch.manual_seed(0)
+        gate = GatePredictor.from_torch(MLP(NUM_FEATURES), schema_hash())
+        with session_scope(engine) as s:
+            v = create_version(s, blob=gate.to_bytes(), kind="mlp", feature_schema_hash=gate.schema_hash,
+                               metrics={}, training_summary={}, reason="t", created_by="t")
+            set_alias(s, CHAMPION, v.id, reason="t", actor="t")
+        queue = EventQueue(maxsize=1000)
+        writer = EventWriter(engine, queue, batch_size=500, flush_interval=0.1, spill_dir=tmp_path).start()
+        learner = LearnerService(engine, DecisionConfig(), interval=0.1).start()
+        n = 0
+        for phase, seconds in (("up", 1.0), ("down", 3.0), ("up", 1.0)):
+            proxy.cut() if phase == "down" else proxy.restore()
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                for _ in range(50):
+                    queue.put(_event(n))
+                    n += 1
+                time.sleep(0.01)
+        restored = time.time() - 1.0
+        deadline = time.monotonic() + 10
+        while writer.written < n and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert writer.stop(5.0)
+        _tally_ok(writer, produced=n, written=n, dropped=0, dead_lettered=0, lost=0)
+        assert writer.failures >= 1 and writer.peak_buffered > queue.maxsize  # the buffer, not the queue, held the outage
+        while learner.health().last_success is None or learner.health().last_success < restored:
+            assert time.monotonic() < deadline, learner.health()
+            time.sleep(0.05)
+        h = learner.health()
+        assert h.running and h.state == "ok" and h.failures >= 1
+        learner.stop(5.0)
+        with session_scope(make_engine(real)) as s:
+            assert count_events(s) == n
+    finally:
+        proxy.close()
+        engine.dispose()
+        next(urls, None)

@@ -111,15 +111,21 @@ class EventWriter(BackgroundService):
         self._unpruned = 0  # successful writes since the last prune
         self._dropped_seen = 0  # queue drops already recorded into the stats
         self._buffer: deque[LabelledEvent] = deque()
+        self._retry_at = 0.0  # monotonic time before which a round only drains the queue
 
     def round(self) -> float:
         # Batch by time: one wake-up per interval, not one per event. On a CPU-bound host the
         # engine's main thread shares its core with this one (threads inherit its binding), and a
         # wake-up plus a commit per decode step cost it ~1 ms a step.
+        # While backing off after a failure, rounds still move the queue into the buffer every
+        # interval: the back-off paces the database, never the decode path's queue.
         self._drain_queue()
+        if time.monotonic() < self._retry_at:
+            return self.interval
         if self._buffer:
             if not self._write():
-                return self.retry.failed()
+                self._retry_at = time.monotonic() + self.retry.failed()
+                return self.interval
             if self._unpruned >= self.prune_every:
                 self.prune()
         self.succeeded()
