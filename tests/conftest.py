@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, make_url, text
+from sqlalchemy import Engine, create_engine, make_url, text
 from sqlalchemy.exc import OperationalError
 
 # Test files (or file::test) that need each heavy dependency; db_url's postgresql param adds `postgres`.
@@ -50,6 +50,20 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         yield f"sqlite:///{tmp_path / 'hvd.db'}"
     else:
         yield from postgres_schema_url()
+
+
+@pytest.fixture
+def db(db_url: str) -> Iterator[Engine]:
+    """An engine on db_url with the schema at head."""
+    from storage.engine import make_engine
+    from storage.migrate import upgrade
+
+    engine = make_engine(db_url)
+    try:
+        upgrade(engine)
+        yield engine
+    finally:
+        engine.dispose()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

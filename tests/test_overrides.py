@@ -44,16 +44,6 @@ from storage.overrides import (
 NOW = datetime(2026, 11, 29, 12, 0, 0, tzinfo=timezone.utc)
 
 
-@pytest.fixture
-def db(db_url: str) -> Iterator[Engine]:
-    eng = make_engine(db_url)
-    try:
-        upgrade(eng)
-        yield eng
-    finally:
-        eng.dispose()
-
-
 def _spec(**kw) -> OverrideSpec:
     base = dict(tenant="acme", workload=None, mode="fixed", tau=3.0, author="alice", reason="incident 42")
     base.update(kw)

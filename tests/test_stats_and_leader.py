@@ -13,7 +13,6 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,7 +30,6 @@ from controller.services.stats_writer import StatsWriter
 from storage.engine import make_engine, session_scope
 from storage.events import count_events, insert_events, list_events
 from storage.leader import LeaseLeaderLock, PgAdvisoryLeaderLock, make_leader_lock
-from storage.migrate import upgrade
 from storage.models import DecisionEvent, StatBucket
 from storage.stats import (ALL, HIST_BINS, BucketDelta, add_dropped, add_steps, aggregate, bucket_start,
                            merge_deltas, prune_events, read_buckets, upsert_buckets)
@@ -42,16 +40,6 @@ SPAWN = mp.get_context("spawn")
 
 
 # --- fixtures -------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def db(db_url: str) -> Iterator[Engine]:
-    eng = make_engine(db_url)
-    upgrade(eng)
-    try:
-        yield eng
-    finally:
-        eng.dispose()
 
 
 def ev(at: float = T0, tenant: str = "t", workload: str = "code", drafter: str = "cache", decision: str = "cache",

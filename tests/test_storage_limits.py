@@ -6,7 +6,6 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -33,16 +32,6 @@ from storage.versions import add_tau_history, create_version, list_alias_events,
 NOW = datetime(2026, 12, 1, 8, 0, tzinfo=timezone.utc)
 LONG_ID = "can-ai-code/" + "x" * 177  # 189 characters, as long as the bundled can-ai-code trace ids
 LONG_NAME = "replica-" + "h" * 300
-
-
-@pytest.fixture
-def db(db_url: str) -> Iterator[Engine]:
-    engine = make_engine(db_url)
-    try:
-        upgrade(engine)
-        yield engine
-    finally:
-        engine.dispose()
 
 
 def _event(**kw) -> dict:
