@@ -176,3 +176,32 @@ def test_same_events_in_same_versions_out(served_db, tmp_path):
         with session_scope(engine) as s:
             blobs.append([v.blob_sha256 for v in list_versions(s) if v.id in service.stats.promotions])
     assert blobs[0] and blobs[0] == blobs[1]
+
+
+def test_service_never_promotes_a_challenger_that_does_not_load(served_db, monkeypatch):
+    """A challenger that earned promotion but whose blob holds a NaN weight (diverged between the
+    shadow score and the store) is refused: the alias stays and the version is not stored either."""
+    from storage.versions import UnloadableVersionError
+
+    engine, _ = served_db
+    service = LearnerService(engine, DecisionConfig(), SMALL, replica="r1", start_at_end=False, batch_events=500)
+    promote_as_learned = service._promote
+
+    def promote_diverged(score) -> None:
+        learned = service.learner.challenger()
+        w0 = learned.weights[0].copy()
+        w0[0, 0] = np.nan
+        diverged = GatePredictor(learned.mean, learned.scale, [w0, *learned.weights[1:]], learned.biases,
+                                 learned.schema_hash)
+        with monkeypatch.context() as m:
+            m.setattr(service.learner, "challenger", lambda: diverged)
+            promote_as_learned(score)
+
+    monkeypatch.setattr(service, "_promote", promote_diverged)
+    with pytest.raises(UnloadableVersionError,
+                       match=r"^predictor version v2 is unloadable: predictor blob holds non-finite weights$"):
+        while service.run_once():
+            pass
+    assert service.champion_id == 1 and not service.stats.promotions
+    with session_scope(engine) as s:
+        assert get_alias_version(s, CHAMPION).id == 1 and [v.id for v in list_versions(s)] == [1]
