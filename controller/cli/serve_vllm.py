@@ -1,7 +1,8 @@
 """`hvd serve --engine vllm`: vLLM's OpenAI-compatible server on the bundled model, with the HVD
 plugin switched on. Tenant and workload travel in the request body as `vllm_xargs`
-({"hvd_tenant": ..., "hvd_workload": ..., "hvd_speculate": false}); the plugin reads them from
-`SamplingParams.extra_args`."""
+({"hvd_tenant": ..., "hvd_workload": ..., "hvd_speculate": false}); the plugin checks them as vLLM
+builds the request's `SamplingParams` (a bad value is an HTTP 400 naming the field) and reads them
+from `SamplingParams.extra_args`."""
 from __future__ import annotations
 
 import json
