@@ -106,7 +106,7 @@ class GatePredictor:
             raise BlobError(f"predictor blob has format {meta.get('format')!r}, expected {BLOB_FORMAT!r}")
         if expected_schema_hash is not None and meta.get("schema_hash") != expected_schema_hash:
             raise BlobError(
-                f"predictor blob was trained on feature schema {str(meta.get('schema_hash'))[:12]}, "
+                f"predictor blob was trained on feature schema {ascii(str(meta.get('schema_hash'))[:12])[1:-1]}, "
                 f"this code computes schema {expected_schema_hash[:12]}: retrain (make warmstart)"
             )
         if "layers" not in meta:

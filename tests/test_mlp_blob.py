@@ -94,6 +94,14 @@ def test_other_schema_hash_is_refused(model):
     assert GatePredictor.from_bytes(blob).schema_hash == "f" * 64
 
 
+def test_schema_hash_in_the_error_is_escaped(model):
+    """The message reaches terminals (hvd versions, rollback) and logs: no control codes from a blob."""
+    blob = _blob_with(_tensors(GatePredictor.from_torch(model, schema_hash())), schema_hash="\x1b[2J\n" + "a" * 60)
+    with pytest.raises(BlobError) as info:
+        GatePredictor.from_bytes(blob, expected_schema_hash=schema_hash())
+    assert str(info.value).startswith("predictor blob was trained on feature schema \\x1b[2J\\naaaaaaa, ")
+
+
 def test_wrong_format_is_refused(model):
     tensors = _tensors(GatePredictor.from_torch(model, schema_hash()))
     with pytest.raises(BlobError, match="format 'other/1'"):

@@ -177,7 +177,7 @@ def _versions(args: argparse.Namespace, engine) -> int:
             problem = unloadable_reason(v)
             print(f"{mark} v{v.id} parent={v.parent_id or '-'} {v.created_at:%Y-%m-%d %H:%M:%S} {v.kind} "
                   f"{quality} schema={v.feature_schema_hash[:12]} by={v.created_by} reason={v.reason!r}"
-                  + (f" UNLOADABLE: {problem}" if problem else ""))
+                  + (f" UNLOADABLE: {cli_overrides.escape(problem)}" if problem else ""))
         if args.log:
             from storage.versions import list_alias_events
 
