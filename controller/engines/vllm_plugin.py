@@ -162,4 +162,4 @@ def _state(runner) -> "HybridState | None":
 @atexit.register
 def _drain_at_exit() -> None:
     for s in _STATES:
-        s.stack.stop(10.0)
+        s.stack.shutdown(10.0)  # stop admitting, drain, log and store the tally (lost events: a warning)
