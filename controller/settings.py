@@ -102,6 +102,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("HVD_LEARN", parse_flag, True, "the replica holding the learner lock learns online"),
     Setting("HVD_TOKENIZER", text, None, "tokenizer.json (or its folder) of the trace tokenizer"),
     Setting("HVD_ADMIN_TOKEN", text, None, "the dashboard's admin token (edits are refused without it)"),
+    Setting("HVD_SPILL_DIR", text, "var", "folder of dead_letter_events.jsonl: events not even the dead-letter table takes"),
+    Setting("HVD_TEST_POSTGRES_URL", text, "postgresql+psycopg2://postgres@127.0.0.1:5432/test",
+            "PostgreSQL server of the tests and bench/outage.py (each uses a throwaway schema)"),
 )}
 
 

@@ -23,7 +23,6 @@ newest `keep_events` rows every `prune_every` successful writes, and once more w
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Engine
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, SQLAlchemyError, StatementError
 
+from controller import settings
 from controller.core.events import EventQueue, LabelledEvent
 from controller.services.lifecycle import BackgroundService, Health, first_line
 from storage.engine import session_scope
@@ -47,8 +47,8 @@ DEAD_LETTER_FILE = "dead_letter_events.jsonl"
 
 
 def default_spill_dir() -> Path:
-    """Where rows go that not even the dead-letter table takes: $HVD_SPILL_DIR, else ./var."""
-    return Path(os.environ.get("HVD_SPILL_DIR") or "var")
+    """Where rows go that not even the dead-letter table takes."""
+    return Path(settings.read("HVD_SPILL_DIR"))
 
 
 def is_data_error(exc: BaseException) -> bool:
