@@ -176,3 +176,26 @@ def test_make_warmstart_on_a_subset(work):
             assert champion is not None and champion.version_id == 1
     finally:
         engine.dispose()
+
+
+def test_database_failing_mid_command_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A database that answers but then fails the command (here: locked by another writer past the
+    busy timeout) is one line naming the database, not a traceback."""
+    import sqlite3
+
+    from controller.cli.main import main
+    from storage.migrate import upgrade
+
+    url = f"sqlite:///{tmp_path / 'hvd.db'}"
+    upgrade(url)
+    holder = sqlite3.connect(tmp_path / "hvd.db", isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # holds the write lock
+    try:
+        code = main(["--db", url, "override", "set", "--tenant", "acme", "--tau", "2", "--expires", "1h",
+                     "--author", "ana", "--reason", "test"])
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith(f"hvd override: error: database {url}: database is locked") and err.count("\n") == 1

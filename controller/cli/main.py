@@ -108,7 +108,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from storage.engine import make_engine
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from storage.engine import make_engine, masked_url
     from storage.errors import StorageError
     from storage.migrate import upgrade
     from storage.settings import database_url
@@ -119,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         return _COMMANDS[args.command](args, engine)
     except (StorageError, ValueError, LookupError, FileNotFoundError) as exc:
         print(f"hvd {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except SQLAlchemyError as exc:  # the database failed mid-command (gone, timed out, locked)
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        print(f"hvd {args.command}: error: database {masked_url(engine)}: {reason}", file=sys.stderr)
         return 2
 
 
