@@ -10,7 +10,7 @@ import json
 import math
 import os
 from collections.abc import Sequence
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from sqlalchemy import Engine, func, inspect, select
@@ -23,6 +23,7 @@ from storage.models import (
     DecisionEvent,
     DriftEvent,
     PredictorVersion,
+    ReplicaHealth,
     StatBucket,
     TauHistory,
     utcnow,
@@ -288,30 +289,44 @@ def health(session: Session) -> dict[str, Any]:
         "last_learner_update": max(updates) if updates else None,
         "database_bytes": database_size(session),
         "champion": champion_status(session),
-        "replicas": [{"replica": r.replica, "updated_at": r.updated_at, "queue_depth": r.queue_depth,
-                      "events_written": r.events_written, "events_dropped": r.events_dropped,
-                      "flush_ms": round(r.flush_ms, 2), **_service_states(r.services)}
-                     for r in replica_health(session)],
+        "replicas": [_replica(r) for r in replica_health(session)],
     }
 
 
 CHAMPION_NOT_LOADED = "champion not loaded: "  # how the control poller reports it (its last_error)
 
 
-def _service_states(services: str | None) -> dict[str, str]:
-    """From a heartbeat's services JSON: each service's state ("hvd-learner: retrying") and the
-    champion this replica could not load, if any."""
+def _replica(r: ReplicaHealth) -> dict[str, Any]:
+    """One heartbeat row, its services JSON read into `service_list` (one dict per service)."""
+    service_list = _services(r.services)
+    problem = next((s["last_error"][len(CHAMPION_NOT_LOADED):] for s in service_list
+                    if (s["last_error"] or "").startswith(CHAMPION_NOT_LOADED)), "")
+    return {"replica": r.replica, "updated_at": r.updated_at, "queue_depth": r.queue_depth,
+            "events_written": r.events_written, "events_dropped": r.events_dropped,
+            "events_dead_lettered": r.events_dead_lettered, "flush_ms": round(r.flush_ms, 2),
+            "services": ", ".join(f"{s['name']}: {s['state']}" for s in service_list),
+            "champion_not_loaded": problem, "service_list": service_list}
+
+
+def _services(services: str | None) -> list[dict[str, Any]]:
+    """A heartbeat's services JSON (controller.services.lifecycle.Health.to_json, one per service) as
+    plain rows; `last_success` (unix time) becomes an aware UTC datetime. A row written by an older
+    replica, or garbled, reads as no services rather than breaking the page."""
     try:
         states = json.loads(services) if services else []
-        if not isinstance(states, list):
-            states = []
     except ValueError:
-        states = []
-    states = [s for s in states if isinstance(s, dict)]
-    problem = next((str(s["last_error"])[len(CHAMPION_NOT_LOADED):] for s in states
-                    if str(s.get("last_error") or "").startswith(CHAMPION_NOT_LOADED)), "")
-    return {"services": ", ".join(f"{s.get('name')}: {s.get('state')}" for s in states),
-            "champion_not_loaded": problem}
+        return []
+    rows = []
+    for s in states if isinstance(states, list) else []:
+        if not isinstance(s, dict):
+            continue
+        success = s.get("last_success")
+        rows.append({"name": str(s.get("name")), "state": str(s.get("state")),
+                     "failing": int(s.get("failing") or 0), "failures": int(s.get("failures") or 0),
+                     "last_error": None if s.get("last_error") is None else str(s["last_error"]),
+                     "last_success": datetime.fromtimestamp(success, timezone.utc)
+                     if isinstance(success, (int, float)) else None})
+    return rows
 
 
 def drift_events(session: Session, limit: int = 200) -> list[dict[str, Any]]:

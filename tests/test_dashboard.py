@@ -4,6 +4,7 @@ through the form reach the controller's resolution, rollback moves the champion,
 token (and wrong tokens are rate-limited), an empty database gets a helpful message."""
 from __future__ import annotations
 
+import json
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -56,6 +57,18 @@ def served_url(tmp_path_factory) -> str:
     return fill_database(tmp_path_factory.mktemp("dashboard"))
 
 
+def service(name: str, state: str, failing: int = 0, failures: int = 0, error: str | None = None) -> dict:
+    """One service as controller.services.lifecycle.Health.to_json writes it; last success a minute before T0."""
+    return {"name": name, "state": state, "failures": failures, "failing": failing, "last_error": error,
+            "last_success": (T0 - timedelta(minutes=1)).timestamp()}
+
+
+R1_SERVICES = [service("hvd-stats", "ok"), service("hvd-events", "ok"), service("hvd-controls", "ok"),
+               service("hvd-learner", "retrying", failing=3, failures=5, error="database is locked")]
+R2_SERVICES = [service("hvd-stats", "stopped"), service("hvd-events", "stopped")]  # shut down
+R3_SERVICES = [service("hvd-events", "ok"), service("hvd-controls", "stopped", failures=1, error="boom")]
+
+
 def known_database(folder: Path) -> str:
     """Hand-written rows, so the tests can work every figure out by hand (not through the queries)."""
     url = f"sqlite:///{folder / 'hvd.db'}"
@@ -80,9 +93,11 @@ def known_database(folder: Path) -> str:
                                 decision="cache", draft_len=8, accepted=i, predicted=float(i)) for i in range(3))
         s.add_all(DriftEvent(at=T0, workload="chat", detector="adwin", detail={}) for _ in range(2))
         s.add_all([ReplicaHealth(replica="r1", updated_at=T0, queue_depth=3, events_written=3, events_dropped=0,
-                                 flush_ms=1.0),
+                                 events_dead_lettered=2, flush_ms=1.0, services=json.dumps(R1_SERVICES)),
                    ReplicaHealth(replica="r2", updated_at=T0, queue_depth=7, events_written=0, events_dropped=4,
-                                 flush_ms=2.0)])
+                                 events_dead_lettered=3, flush_ms=2.0, services=json.dumps(R2_SERVICES)),
+                   ReplicaHealth(replica="r3", updated_at=T0, queue_depth=0, events_written=0, events_dropped=0,
+                                 flush_ms=0.5, services=json.dumps(R3_SERVICES))])
         s.add_all([tau("code_edit", 2.0), tau("chat", 1.5), tau("code_edit", 3.25)])  # inserted in this order
     engine.dispose()
     return url
@@ -162,6 +177,31 @@ def test_quality_and_health_figures_worked_out_by_hand(known_db):
     assert shown["Dropped events"] == "4"
     assert shown["Drift events"] == "2"
     assert shown["Event queue depth (deepest replica)"] == "7"
+
+
+def test_health_shows_dead_letters_and_warns_of_a_retrying_service(known_db):
+    at = run(page("health"))
+    assert metrics(at)["Dead-lettered events (all replicas)"] == "5"  # r1 2 + r2 3 + r3 0
+    replicas = at.dataframe[0].value.set_index("Replica")
+    assert replicas["Events dropped"].to_dict() == {"r1": 0, "r2": 4, "r3": 0}
+    assert replicas["Events dead-lettered"].to_dict() == {"r1": 2, "r2": 3, "r3": 0}
+    assert [w.value for w in at.warning] == [
+        "Replica r1: service hvd-learner is retrying with back-off after 3 consecutive failures "
+        "(last success 2026-01-01 11:59:00 UTC; last error: database is locked)."]
+    # r2's services are all stopped: shut down, not an outage; r3's poller stopped while its writer runs
+    assert [e.value for e in at.error] == [
+        "Replica r3: service hvd-controls has stopped while the others run (last success 2026-01-01 11:59:00 UTC; "
+        "last error: boom). Restart the replica."]
+    assert at.info[-1].value == ("Replica r2: every service was stopped at its last heartbeat (2026-01-01 12:00:00 "
+                                 "UTC): it has shut down or runs without threads.")
+    r1 = at.dataframe[1].value
+    assert list(r1.columns) == ["Service", "State", "Consecutive failures", "Failures in all", "Last error",
+                                "Last success (UTC)"]
+    learner = r1.set_index("Service").loc["hvd-learner"]
+    assert (learner["State"], learner["Consecutive failures"], learner["Failures in all"], learner["Last error"]) == (
+        "retrying", 3, 5, "database is locked")
+    assert learner["Last success (UTC)"] == T0 - timedelta(minutes=1)
+    assert at.dataframe[2].value["State"].tolist() == ["stopped", "stopped"]
 
 
 def test_thresholds_shows_the_newest_tau_of_each_workload(known_db):

@@ -1,4 +1,5 @@
-"""Health: ingest volume, dropped events, drift, last learner update, database size."""
+"""Health: ingest volume, dropped and dead-lettered events, drift, last learner update, database size,
+each replica's background services."""
 from __future__ import annotations
 
 import pandas as pd
@@ -45,14 +46,46 @@ else:
     if not (c["stale"] or c["problem"] or any(r["champion_not_loaded"] for r in h["replicas"])):
         st.success(f"Champion v{c['version']}: every decision since {c['since']:%Y-%m-%d %H:%M:%S} UTC came from it.")
 st.subheader("Serving replicas")
+REPLICA_COLUMNS = {"replica": "Replica", "updated_at": "Last heartbeat (UTC)", "queue_depth": "Queue depth",
+                   "events_written": "Events written", "events_dropped": "Events dropped",
+                   "events_dead_lettered": "Events dead-lettered", "flush_ms": "Flush latency (ms)",
+                   "services": "Services"}
+SERVICE_COLUMNS = {"name": "Service", "state": "State", "failing": "Consecutive failures",
+                   "failures": "Failures in all", "last_error": "Last error", "last_success": "Last success (UTC)"}
 if h["replicas"]:
     worst = max(h["replicas"], key=lambda r: r["queue_depth"])
-    r = st.columns(2)
+    r = st.columns(3)
     r[0].metric("Event queue depth (deepest replica)", fmt(worst["queue_depth"]))
     r[1].metric("Writer flush latency (ms, slowest replica)", f"{max(x['flush_ms'] for x in h['replicas']):.1f}")
-    st.dataframe(pd.DataFrame(h["replicas"]), hide_index=True, width="stretch")
+    r[2].metric("Dead-lettered events (all replicas)", fmt(sum(x["events_dead_lettered"] for x in h["replicas"])))
+    st.dataframe(pd.DataFrame(h["replicas"])[list(REPLICA_COLUMNS)].rename(columns=REPLICA_COLUMNS),
+                 hide_index=True, width="stretch")
     st.caption("Good: queue depth near 0 and flush latency in milliseconds; a growing queue means the writer "
-               "cannot keep up and events will be dropped (counted above).")
+               "cannot keep up and events will be dropped (counted above). Dead-lettered events are ones the "
+               "database refused: set aside in `dead_letter_events` (or the spill file) with the reason.")
+    st.subheader("Background services")
+    for rep in h["replicas"]:
+        services = rep["service_list"]
+        if not services:
+            continue
+        if all(x["state"] == "stopped" for x in services):
+            st.info(f"Replica {rep['replica']}: every service was stopped at its last heartbeat "
+                    f"({rep['updated_at']:%Y-%m-%d %H:%M:%S} UTC): it has shut down or runs without threads.")
+        else:
+            for x in services:
+                since = f"{x['last_success']:%Y-%m-%d %H:%M:%S} UTC" if x["last_success"] else "never"
+                if x["state"] == "stopped":
+                    st.error(f"Replica {rep['replica']}: service {x['name']} has stopped while the others run "
+                             f"(last success {since}; last error: {x['last_error'] or 'none'}). Restart the replica.")
+                elif x["state"] == "retrying":
+                    st.warning(f"Replica {rep['replica']}: service {x['name']} is retrying with back-off after "
+                               f"{x['failing']} consecutive failures (last success {since}; last error: "
+                               f"{x['last_error'] or 'none'}).")
+        st.markdown(f"**Replica {rep['replica']}**")
+        st.dataframe(pd.DataFrame(services)[list(SERVICE_COLUMNS)].rename(columns=SERVICE_COLUMNS),
+                     hide_index=True, width="stretch")
+    st.caption("Good: every service ok. Retrying means database errors, retried with back-off since the last "
+               "success; the replica keeps serving and catches up when the database answers.")
 else:
     st.info("No replica has reported yet: heartbeats arrive with the first written events.")
 st.subheader("Drift events (newest first)")
