@@ -25,13 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the TC
 
 from controller.cli import serve_traces  # noqa: E402
 from controller.cli.serve_traces import ReplayServeOptions, round_robin_sources, serve_replay  # noqa: E402
-from predictor.champion import CHAMPION  # noqa: E402
+from predictor.champion import store_champion  # noqa: E402
 from predictor.features import NUM_FEATURES, schema_hash  # noqa: E402
 from predictor.mlp import MLP, GatePredictor  # noqa: E402
 from predictor.traces import bundled_traces_path, load_traces  # noqa: E402
 from storage.engine import make_engine, session_scope  # noqa: E402
 from storage.migrate import upgrade  # noqa: E402
-from storage.versions import create_version, set_alias  # noqa: E402
 from tcp_proxy import ProxyProcess  # noqa: E402
 
 PG_URL = os.environ.get("HVD_TEST_POSTGRES_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
@@ -57,9 +56,7 @@ def main() -> int:
         torch.manual_seed(0)
         gate = GatePredictor.from_torch(MLP(NUM_FEATURES), schema_hash())
         with session_scope(engine) as s:
-            v = create_version(s, blob=gate.to_bytes(), kind="mlp", feature_schema_hash=gate.schema_hash, metrics={},
-                               training_summary={}, reason="bench", created_by="bench")
-            set_alias(s, CHAMPION, v.id, reason="bench", actor="bench")
+            store_champion(s, gate, reason="bench", actor="bench")
         records, _ = load_traces([bundled_traces_path()])
         records = round_robin_sources(records)
 

@@ -10,8 +10,8 @@ from predictor.features import schema_hash
 from predictor.mlp import BlobError, GatePredictor
 from storage.engine import session_scope
 from storage.errors import CorruptBlobError, StorageError
-from storage.versions import (CHAMPION, PredictorVersion, UnloadableVersionError, get_alias_version, get_version,
-                              set_alias, verify_blob, version_problem)
+from storage.versions import (CHAMPION, PredictorVersion, UnloadableVersionError, create_version, get_alias_version,
+                              get_version, set_alias, verify_blob, version_problem)
 
 
 class NoChampionError(LookupError):
@@ -50,6 +50,14 @@ def promote(session: Session, version_id: int, *, reason: str, actor: str) -> No
     set_alias(session, CHAMPION, version_id, reason=reason, actor=actor, check=check_blob)
 
 
+def store_champion(session: Session, gate: GatePredictor, *, reason: str, actor: str) -> int:
+    """Store ``gate`` as a new version and promote it (benchmarks and tests that need a champion)."""
+    version = create_version(session, blob=gate.to_bytes(), kind="mlp", feature_schema_hash=gate.schema_hash,
+                             metrics={}, training_summary={}, reason=reason, created_by=actor)
+    promote(session, version.id, reason=reason, actor=actor)
+    return version.id
+
+
 def load_gate(engine: Engine, version_id: int | None = None) -> tuple[int, GatePredictor]:
     """The champion (or the given version) as a GatePredictor; a corrupt or mismatched blob is a BlobError."""
     with session_scope(engine) as session:
@@ -66,5 +74,5 @@ def load_gate(engine: Engine, version_id: int | None = None) -> tuple[int, GateP
         return version.id, gate_from_blob(blob)
 
 
-__all__ = ["CHAMPION", "NoChampionError", "UnloadableVersionError", "load_gate", "promote", "unloadable_reason",
+__all__ = ["CHAMPION", "NoChampionError", "UnloadableVersionError", "load_gate", "promote", "store_champion", "unloadable_reason",
            "StorageError"]

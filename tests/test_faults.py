@@ -17,7 +17,7 @@ from controller.services.event_writer import EventWriter
 from controller.engines.trace_engine import run_replay
 from controller.core.runtime import Runtime
 from controller.services.stats_writer import StatsWriter
-from predictor.champion import CHAMPION
+from predictor.champion import store_champion
 from predictor.features import NUM_FEATURES, schema_hash
 from predictor.mlp import MLP, GatePredictor
 from predictor.profiles import drafter_profiles
@@ -29,7 +29,6 @@ from storage.models import DeadLetterEvent
 from storage.migrate import upgrade
 from storage.overrides import OverrideSpec, set_override
 from storage.stats import read_buckets
-from storage.versions import create_version, set_alias
 
 
 @pytest.fixture()
@@ -39,9 +38,7 @@ def world(tmp_path):
     engine = make_engine(f"sqlite:///{tmp_path}/up.db")
     upgrade(engine)
     with session_scope(engine) as s:
-        v = create_version(s, blob=gate.to_bytes(), kind="mlp", feature_schema_hash=gate.schema_hash, metrics={},
-                           training_summary={}, reason="t", created_by="t")
-        set_alias(s, CHAMPION, v.id, reason="t", actor="t")
+        store_champion(s, gate, reason="t", actor="t")
         set_override(s, OverrideSpec("tenant-x", None, "off_model", author="ops", reason="test"),
                      ["agentic", "code_edit", "coding", "sql", "chat"])
     # A database that cannot be reached: a path under a missing directory.
@@ -197,9 +194,7 @@ def test_outage_through_a_proxy_loses_nothing_and_services_recover(tmp_path):
         torch.manual_seed(0)
         gate = GatePredictor.from_torch(MLP(NUM_FEATURES), schema_hash())
         with session_scope(engine) as s:
-            v = create_version(s, blob=gate.to_bytes(), kind="mlp", feature_schema_hash=gate.schema_hash,
-                               metrics={}, training_summary={}, reason="t", created_by="t")
-            set_alias(s, CHAMPION, v.id, reason="t", actor="t")
+            store_champion(s, gate, reason="t", actor="t")
         queue = EventQueue(maxsize=1000)
         writer = EventWriter(engine, queue, batch_size=500, flush_interval=0.1, spill_dir=tmp_path).start()
         learner = LearnerService(engine, DecisionConfig(), interval=0.1).start()

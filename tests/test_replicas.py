@@ -77,6 +77,7 @@ def schema():
 
 
 def test_two_replicas_share_one_postgresql(schema):
+    from predictor.champion import store_champion
     from predictor.features import NUM_FEATURES, schema_hash
     from predictor.mlp import MLP, GatePredictor
     from storage.engine import session_scope
@@ -84,7 +85,6 @@ def test_two_replicas_share_one_postgresql(schema):
     from storage.migrate import upgrade
     from storage.overrides import OverrideSpec, set_override
     from storage.stats import read_buckets
-    from storage.versions import create_version, set_alias
     import torch
 
     engine = _engine(schema)
@@ -92,9 +92,7 @@ def test_two_replicas_share_one_postgresql(schema):
     torch.manual_seed(0)
     gate = GatePredictor.from_torch(MLP(NUM_FEATURES), schema_hash())
     with session_scope(engine) as s:
-        v = create_version(s, blob=gate.to_bytes(), kind="mlp", feature_schema_hash=gate.schema_hash, metrics={},
-                           training_summary={}, reason="t", created_by="t")
-        set_alias(s, "champion", v.id, reason="t", actor="t")
+        store_champion(s, gate, reason="t", actor="t")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_replica, args=(schema, "replica-1", ["aider-chat-history"], out)),
