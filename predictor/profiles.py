@@ -5,6 +5,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 PROFILES_FILE = Path(__file__).with_name("profiles.toml")
 
 
@@ -34,6 +36,11 @@ class DrafterProfile:
 
     def acceptance_for(self, workload: str) -> float:
         return self.by_workload.get(workload, self.acceptance)
+
+    def survival_for(self, workload: str) -> np.ndarray:
+        """S(j) = P(accepted >= j), j = 1..draft_len, of this drafter on a workload: the allocator's
+        prior for the model drafter before live drafts are seen."""
+        return np.cumprod(np.full(self.draft_len, self.acceptance_for(workload), dtype=np.float64))
 
     def mean_accepted_for(self, workload: str) -> float:
         return chain_mean(self.acceptance_for(workload), self.draft_len)
@@ -65,7 +72,16 @@ def chain_acceptance(mean_accepted: float, draft_len: int) -> float:
 
 @dataclass(frozen=True)
 class CostProfile:
-    """t(n) = base_ms + per_token_ms * n per target forward; draft_token_ms per model draft token."""
+    """What one engine step costs, for the simulator, the goodput rule and the allocator.
+
+    One target forward over n query tokens at batch 1: t(n) = base_ms + per_token_ms * n. Where a
+    batch-8 fit exists (n query tokens for each of 8 requests) the base and the per-request slope are
+    interpolated linearly in the batch size (and extrapolated past 8); without one, each running
+    request adds `per_request_ms` (its KV cache read) to the base. `compute_ms_per_token` is a
+    compute-bound floor: a step of Q query tokens takes at least Q times it, which is what makes a
+    GPU's verification dear at large batch. The model drafter costs `draft_call_ms` per call plus
+    `draft_token_ms` per drafted position (the batch-8 figure interpolated likewise), paid once per
+    step whatever the number of requests that use it."""
 
     name: str
     base_ms: float
@@ -75,15 +91,54 @@ class CostProfile:
     # The same fit at batch 8 (n query tokens for each of 8 requests), where measured.
     batch8_base_ms: float | None = None
     batch8_per_token_ms: float | None = None
+    batch8_draft_token_ms: float | None = None
+    draft_call_ms: float = 0.0
+    per_request_ms: float = 0.0
+    compute_ms_per_token: float = 0.0
+    sources: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.base_ms <= 0 or self.per_token_ms < 0 or self.draft_token_ms < 0:
             raise ProfileError(f"cost profile {self.name}: base_ms must be > 0 and the others >= 0")
         if (self.batch8_base_ms is None) != (self.batch8_per_token_ms is None):
             raise ProfileError(f"cost profile {self.name}: give both batch8_base_ms and batch8_per_token_ms, or neither")
+        for label in ("batch8_base_ms", "batch8_per_token_ms", "batch8_draft_token_ms", "draft_call_ms",
+                      "per_request_ms", "compute_ms_per_token"):
+            value = getattr(self, label)
+            if value is not None and not value >= 0:
+                raise ProfileError(f"cost profile {self.name}: {label} must be >= 0, got {value}")
 
     def target_ms(self, query_tokens: float) -> float:
         return self.base_ms + self.per_token_ms * query_tokens
+
+    def _batch_weight(self, batch: int) -> float:
+        return (max(batch, 1) - 1) / 7.0
+
+    def step_line(self, batch: int) -> tuple[float, float]:
+        """(base ms, ms per query token of the whole step) of the memory-bound line at this batch size."""
+        if self.batch8_base_ms is None:
+            return self.base_ms + self.per_request_ms * (max(batch, 1) - 1), self.per_token_ms
+        w = self._batch_weight(batch)
+        base = self.base_ms + w * (self.batch8_base_ms - self.base_ms)
+        per_request_slope = self.per_token_ms + w * (self.batch8_per_token_ms - self.per_token_ms)
+        return base, per_request_slope / max(batch, 1)
+
+    def draft_ms(self, batch: int, model_k: "int | np.ndarray") -> "float | np.ndarray":
+        """The model drafter's cost for one step that drafts `model_k` positions (0: not called)."""
+        per_token = self.draft_token_ms
+        if self.batch8_draft_token_ms is not None:
+            per_token += self._batch_weight(batch) * (self.batch8_draft_token_ms - self.draft_token_ms)
+        k = np.asarray(model_k, dtype=np.float64)
+        out = np.where(k > 0, self.draft_call_ms + k * per_token, 0.0)
+        return float(out) if out.ndim == 0 else out
+
+    def step_ms(self, batch: int, query_tokens: "float | np.ndarray", model_k: "int | np.ndarray" = 0) -> "float | np.ndarray":
+        """One whole engine step: `batch` running requests, `query_tokens` verified in all (one per
+        request plus their draft tokens), the model drafter called for `model_k` positions."""
+        base, per_query = self.step_line(batch)
+        q = np.asarray(query_tokens, dtype=np.float64)
+        out = np.maximum(base + per_query * q, self.compute_ms_per_token * q) + self.draft_ms(batch, model_k)
+        return float(out) if out.ndim == 0 else out
 
     def per_request(self, batch: int) -> "CostProfile":
         """One request's share of a step with `batch` running requests: the batch-1 and batch-8 fits
@@ -92,7 +147,7 @@ class CostProfile:
         dearer as batches fill a compute-bound machine. Without a batch-8 fit: the batch-1 profile."""
         if self.batch8_base_ms is None or batch <= 1:
             return self
-        w = (batch - 1) / 7.0
+        w = self._batch_weight(batch)
         base = self.base_ms + w * (self.batch8_base_ms - self.base_ms)
         per_token = self.per_token_ms + w * (self.batch8_per_token_ms - self.per_token_ms)
         return CostProfile(f"{self.name}@{batch}", base / batch, per_token / batch, self.draft_token_ms / batch)
@@ -108,7 +163,13 @@ def drafter_profiles(path: Path = PROFILES_FILE) -> dict[str, DrafterProfile]:
 
 
 def cost_profiles(path: Path = PROFILES_FILE) -> dict[str, CostProfile]:
-    return {name: CostProfile(name=name, **spec) for name, spec in _load(path).get("cost", {}).items()}
+    out = {}
+    for name, spec in _load(path).get("cost", {}).items():
+        spec = dict(spec)
+        if "sources" in spec:
+            spec["sources"] = tuple(spec["sources"])
+        out[name] = CostProfile(name=name, **spec)
+    return out
 
 
 def pick(profiles: dict, names: list[str] | None, kind: str) -> list:
