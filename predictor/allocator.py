@@ -75,6 +75,8 @@ def allocate(cache_survival: np.ndarray, cache_len: np.ndarray, model_survival: 
     if n == 0:
         empty = np.zeros(0)
         return Allocation(np.zeros(0, np.int8), np.zeros(0, np.int64), 0, empty, 0.0, 0.0, empty)
+    if n == 1 and batch in (None, 1):
+        return allocate_each(s, lengths, se, cost, mode).step(0)
     width = s.shape[1]
     lengths = np.minimum(lengths, width)
     s = np.where(np.arange(width)[None, :] < lengths[:, None], s, 0.0)
@@ -137,6 +139,66 @@ def allocate(cache_survival: np.ndarray, cache_len: np.ndarray, model_survival: 
     fallback = np.where(can_model, np.maximum(cum_model[:, k] - rate * step.marginal * k, 0.0), 0.0)
     tau = rate * step.marginal * lengths + fallback
     return Allocation(source, length, k, expected, step_ms, rate, tau)
+
+
+@dataclass(frozen=True)
+class Allocations:
+    """Many independent single-request steps decided at once (batch 1): one entry per step."""
+
+    source: np.ndarray
+    length: np.ndarray
+    model_k: np.ndarray
+    expected: np.ndarray
+    step_ms: np.ndarray
+    tau: np.ndarray
+
+    def step(self, i: int) -> Allocation:
+        return Allocation(self.source[i : i + 1], self.length[i : i + 1], int(self.model_k[i]),
+                          self.expected[i : i + 1], float(self.step_ms[i]),
+                          float(self.expected[i] / self.step_ms[i]), self.tau[i : i + 1])
+
+
+def allocate_each(cache_survival: np.ndarray, cache_len: np.ndarray, model_survival: np.ndarray, cost: CostProfile,
+                  mode: np.ndarray | None = None) -> Allocations:
+    """`allocate` for m independent steps of one request each (batch 1), exactly and all at once: each
+    step's options (every cache prefix, the model draft at every k, nothing) are few enough to score
+    them all. The offline simulator decides every position of every trace with one call."""
+    s = np.asarray(cache_survival, dtype=np.float64)
+    lengths = np.asarray(cache_len, dtype=np.int64)
+    se = np.asarray(model_survival, dtype=np.float64)
+    m = len(lengths)
+    mode = np.zeros(m, dtype=np.int8) if mode is None else np.asarray(mode, dtype=np.int8)
+    _check(s, lengths, se, mode)
+    width, k_max = s.shape[1], se.shape[1]
+    lengths = np.minimum(lengths, width)
+    step = _StepCost(cost, 1, k_max)
+    cum_cache = np.zeros((m, width + 1))
+    np.cumsum(np.where(np.arange(width)[None, :] < lengths[:, None], s, 0.0), axis=1, out=cum_cache[:, 1:])
+    cum_model = np.zeros((m, k_max + 1))
+    np.cumsum(se, axis=1, out=cum_model[:, 1:])
+    prefix = np.arange(width + 1)
+    cache_rate = (1.0 + cum_cache) / step.ms(1 + prefix, 0)[None, :]
+    cache_ok = (prefix[None, :] <= lengths[:, None]) & ((mode == AUTO)[:, None] | (prefix == 0)[None, :])
+    full = mode == FULL_CACHE
+    cache_ok[full] = prefix[None, :] == lengths[full, None]
+    cache_ok[(mode == FORCE_MODEL) & (k_max > 0)] = False
+    ks = np.arange(1, k_max + 1)
+    model_rate = (1.0 + cum_model[:, 1:]) / np.array([step.ms(1 + k, k) for k in ks.tolist()])[None, :]
+    model_ok = np.broadcast_to(((mode == AUTO) | (mode == NO_CACHE) | (mode == FORCE_MODEL))[:, None], model_rate.shape)
+    scores = np.concatenate([np.where(cache_ok, cache_rate, -1.0), np.where(model_ok, model_rate, -1.0)], axis=1)
+    best = np.argmax(scores, axis=1)
+    is_model = best > width
+    model_k = np.where(is_model, best - width, 0)
+    length = np.where(is_model, model_k, best).astype(np.int64)
+    source = np.where(is_model, MODEL, np.where(length > 0, CACHE, NONE)).astype(np.int8)
+    rows = np.arange(m)
+    expected = 1.0 + np.where(is_model, cum_model[rows, model_k], cum_cache[rows, np.where(is_model, 0, length)])
+    step_ms = np.where(is_model, np.array(step.draft)[model_k], 0.0) + step.ms(1 + length, 0)
+    rate = expected / step_ms
+    fallback = np.where(model_ok[:, 0] if k_max else False,
+                        np.maximum(cum_model[rows, model_k] - rate * step.marginal * model_k, 0.0), 0.0)
+    tau = rate * step.marginal * lengths + fallback
+    return Allocations(source, length, model_k.astype(np.int64), expected, step_ms, tau)
 
 
 class _StepCost:

@@ -163,3 +163,15 @@ def test_drafter_curve_starts_at_the_prior_and_learns():
     assert np.allclose(est2.curve(0), np.cumprod([3 / 4, 2 / 3, 1 / 2]))
     with pytest.raises(ValueError, match="accepted 4 outside"):
         est2.observe(0, 3, 4)
+
+
+def test_batch_one_steps_decided_at_once_are_exact():
+    from predictor.allocator import allocate_each
+
+    rng = np.random.default_rng(5)
+    s, lengths = _curves(rng, 40, 5)
+    se = np.cumprod(rng.uniform(0.1, 0.95, (40, 3)), axis=1)
+    each = allocate_each(s, lengths, se, CPU)
+    for i in range(40):
+        optimum = _brute(s[i : i + 1], lengths[i : i + 1], se[i : i + 1], CPU, 1)
+        assert each.expected[i] / each.step_ms[i] == pytest.approx(optimum)
