@@ -29,10 +29,11 @@ def shard_path(folder: Path, index: int) -> Path:
     return folder / f"shard-{index:05d}.jsonl"
 
 
-def read_samples(folder: Path) -> list[Sample]:
-    """All finished shards in order; a shard that is not valid JSON lines is an error naming it."""
+def read_samples(folder: Path, paths: Sequence[Path] | None = None) -> list[Sample]:
+    """All finished shards in order (or the given ones); a shard that is not valid JSON lines is an
+    error naming it."""
     out: list[Sample] = []
-    for path in sorted(folder.glob("shard-*.jsonl")):
+    for path in sorted(folder.glob("shard-*.jsonl")) if paths is None else paths:
         for n, line in enumerate(path.read_text().splitlines(), 1):
             try:
                 d = json.loads(line)
@@ -42,12 +43,17 @@ def read_samples(folder: Path) -> list[Sample]:
     return out
 
 
+def run_settings(prompts: Sequence[Prompt], model: Path, dtype: str, max_new_tokens: int, shard_prompts: int) -> dict:
+    """What a generator folder's shards depend on; shards made under other settings are not this run's."""
+    digest = hashlib.sha256(json.dumps([p.token_ids for p in prompts]).encode()).hexdigest()
+    return {"model": model.name, "dtype": dtype, "max_new_tokens": max_new_tokens,
+            "shard_prompts": shard_prompts, "prompts_sha256": digest}
+
+
 def _check_settings(folder: Path, prompts: Sequence[Prompt], model: Path, dtype: str, max_new_tokens: int,
                     shard_prompts: int) -> None:
     """Shards from other prompts or settings must not be mixed into this run's data."""
-    digest = hashlib.sha256(json.dumps([p.token_ids for p in prompts]).encode()).hexdigest()
-    settings = {"model": model.name, "dtype": dtype, "max_new_tokens": max_new_tokens,
-                "shard_prompts": shard_prompts, "prompts_sha256": digest}
+    settings = run_settings(prompts, model, dtype, max_new_tokens, shard_prompts)
     path = folder / "settings.json"
     if path.is_file():
         old = json.loads(path.read_text())
@@ -59,7 +65,7 @@ def _check_settings(folder: Path, prompts: Sequence[Prompt], model: Path, dtype:
         path.write_text(json.dumps(settings, indent=1) + "\n")
 
 
-def _write_shard(path: Path, samples: Sequence[Sample]) -> None:
+def write_shard(path: Path, samples: Sequence[Sample]) -> None:
     tmp = path.with_suffix(".tmp")
     with open(tmp, "w") as f:
         for s in samples:
@@ -116,7 +122,7 @@ def generate(prompts: Sequence[Prompt], folder: Path, token_budget: int, engine:
         chunk = prompts[start : start + shard_prompts]
         shard = [Sample(p.trace_id, p.workload, p.token_ids, out)
                  for p, out in zip(chunk, engine.generate(chunk, max_new_tokens))]
-        _write_shard(shard_path(folder, index), shard)
+        write_shard(shard_path(folder, index), shard)
         samples.extend(shard)
         tokens = sum(len(s.output_ids) for s in shard)
         have, made = have + tokens, made + tokens

