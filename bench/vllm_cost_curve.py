@@ -11,7 +11,10 @@ requests are aborted. The median step time per (B, n) is fitted by least squares
 n = 1 means no drafts (plain decoding through the same engine).
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 python bench/vllm_cost_curve.py \
-        --model var/models/smollm2-135m-bf16 [--json var/cost_curve.json]
+        --model var/models/smollm2-135m-bf16 [--json var/cost_curve.json] [--no-preload]
+
+The engine runs as `hvd serve` runs it: tcmalloc and Intel OpenMP in LD_PRELOAD (the script starts
+itself again with them when they are not preloaded yet), unless --no-preload.
 """
 from __future__ import annotations
 
@@ -62,7 +65,14 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--json", default="")
+    ap.add_argument("--no-preload", action="store_true", help="without tcmalloc + Intel OpenMP in LD_PRELOAD")
     args = ap.parse_args()
+    from controller.engines import vllm_engine as ve
+
+    if not args.no_preload and "libiomp" not in os.environ.get("LD_PRELOAD", ""):
+        env = ve.subprocess_env(True)  # LD_PRELOAD acts only on a new process: start this one again
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env)
+    print(f"LD_PRELOAD {os.environ.get('LD_PRELOAD') or 'none'}", flush=True)
     batches = [int(x) for x in args.batches.split(",")]
     ns = [int(x) for x in args.ns.split(",")]
     k = max(ns) - 1

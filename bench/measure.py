@@ -1,0 +1,142 @@
+"""What the benchmarks share: interleaved repetition orders, medians with their spread, and the
+speculative-decoding counters turned into per-1000-token figures.
+
+Absolute times on these shared 2-core machines move with whatever else runs, so every benchmark
+interleaves what it compares (the order rotated per repetition) and prints medians with min-max.
+"""
+from __future__ import annotations
+
+import re
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import TypeVar
+
+import numpy as np
+
+T = TypeVar("T")
+
+# vLLM's own speculative-decoding counters (Prometheus adds `_total` on the server's /metrics).
+DRAFTS = "vllm:spec_decode_num_drafts"
+DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+SPEC_COUNTERS = (DRAFTS, DRAFT_TOKENS, ACCEPTED)
+
+
+def rotations(items: Sequence[T], reps: int) -> list[list[T]]:
+    """One order per repetition, rotated by one each time, so no item always runs first (on a
+    machine that warms up or slows down over a run, a fixed order biases the comparison)."""
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    n = len(items)
+    if n == 0:
+        return [[] for _ in range(reps)]
+    return [list(items[r % n:]) + list(items[: r % n]) for r in range(reps)]
+
+
+@dataclass(frozen=True)
+class Spread:
+    median: float
+    lo: float
+    hi: float
+
+    def fmt(self, digits: int = 1) -> str:
+        return f"{self.median:.{digits}f} [{self.lo:.{digits}f}-{self.hi:.{digits}f}]"
+
+
+def spread(values: Iterable[float]) -> Spread:
+    vals = [float(v) for v in values]
+    if not vals:
+        raise ValueError("spread of no values")
+    return Spread(statistics.median(vals), min(vals), max(vals))
+
+
+@dataclass(frozen=True)
+class SpecRun:
+    """One timed run: output tokens, wall seconds, and vLLM's counter deltas over the run."""
+
+    tokens: int
+    seconds: float
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tokens <= 0 or self.seconds <= 0:
+            raise ValueError(f"a run needs tokens > 0 and seconds > 0, got {self.tokens} and {self.seconds}")
+        if not 0 <= self.accepted <= self.draft_tokens:
+            raise ValueError(f"accepted draft tokens ({self.accepted}) must be in [0, draft tokens "
+                             f"({self.draft_tokens})]")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def rejected(self) -> int:
+        return self.draft_tokens - self.accepted
+
+    @property
+    def decode_steps(self) -> int:
+        """Target forwards summed over requests: each emits one token plus what it accepted."""
+        return self.tokens - self.accepted
+
+    def per_1k(self, count: int) -> float:
+        return 1000.0 * count / self.tokens
+
+    def figures(self) -> dict[str, float]:
+        """Per 1000 output tokens: decode steps, drafts, draft tokens, accepted and rejected ones."""
+        return {"steps": self.per_1k(self.decode_steps), "drafts": self.per_1k(self.drafts),
+                "draft_tokens": self.per_1k(self.draft_tokens), "accepted": self.per_1k(self.accepted),
+                "rejected": self.per_1k(self.rejected)}
+
+    def raw(self) -> str:
+        return (f"{self.tokens} tok/{self.seconds:.2f} s, drafts {self.drafts}, draft tok {self.draft_tokens}, "
+                f"accepted {self.accepted}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    """The spec-decode counters' growth between two readings (a counter never seen counts as 0)."""
+    return {name: int(round(after.get(name, 0.0) - before.get(name, 0.0))) for name in SPEC_COUNTERS}
+
+
+def run_from(tokens: int, seconds: float, deltas: dict[str, int]) -> SpecRun:
+    return SpecRun(tokens, seconds, deltas.get(DRAFTS, 0), deltas.get(DRAFT_TOKENS, 0), deltas.get(ACCEPTED, 0))
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)")
+
+
+def prometheus_counters(text: str, names: Sequence[str] = SPEC_COUNTERS) -> dict[str, float]:
+    """Each named counter summed over its label sets, from a Prometheus text page (/metrics). The
+    `_total` suffix Prometheus adds to counters is accepted; `_created` samples are not counters."""
+    wanted = set(names)
+    out = {name: 0.0 for name in names}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        name = m.group(1)
+        base = name[: -len("_total")] if name.endswith("_total") else name
+        if base in wanted:
+            out[base] += float(m.group(3))
+    return out
+
+
+def verdict(value: float, goal: float, higher_is_better: bool = True) -> str:
+    """'met' or 'NOT met (by X)', X the gap to the goal in the goal's own units."""
+    ok = value >= goal if higher_is_better else value < goal
+    return "met" if ok else f"NOT met (by {abs(goal - value):.3g})"
+
+
+def survival_curves(rng: np.random.Generator, lengths: np.ndarray, width: int) -> np.ndarray:
+    """Survival curves shaped like a survival gate's, for timing the allocator: running products of
+    per-position conditional acceptances (uniform draws), zero past each draft's real length."""
+    lengths = np.asarray(lengths)
+    if lengths.ndim != 1 or (len(lengths) and lengths.min() < 0):
+        raise ValueError("lengths must be a 1-d array of draft lengths >= 0")
+    curves = np.cumprod(rng.uniform(size=(len(lengths), width)), axis=1)
+    return curves * (np.arange(1, width + 1)[None, :] <= lengths[:, None])

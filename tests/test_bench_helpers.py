@@ -1,0 +1,199 @@
+"""The benchmarks' own arithmetic (bench/measure.py, the EAGLE3 overhead breakdown, the method table's
+targets) and the LD_PRELOAD the vLLM processes start with. No engine runs here."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import eagle_overhead  # noqa: E402
+import measure  # noqa: E402
+import vllm_methods  # noqa: E402
+
+from controller.cli import serve_vllm  # noqa: E402
+from controller.engines import vllm_engine as ve  # noqa: E402
+
+
+@given(st.lists(st.integers(), min_size=1, max_size=8, unique=True), st.integers(1, 10))
+def test_rotations_are_permutations_and_move_the_first(items, reps):
+    orders = measure.rotations(items, reps)
+    assert len(orders) == reps
+    for r, order in enumerate(orders):
+        assert sorted(order) == sorted(items)
+        assert order[0] == items[r % len(items)]
+
+
+def test_rotations_refuse_no_repetitions():
+    with pytest.raises(ValueError, match="reps must be >= 1"):
+        measure.rotations([1, 2], 0)
+
+
+def test_spread_and_format():
+    s = measure.spread([3.0, 1.0, 2.0, 10.0])
+    assert (s.median, s.lo, s.hi) == (2.5, 1.0, 10.0)
+    assert s.fmt(1) == "2.5 [1.0-10.0]"
+    with pytest.raises(ValueError, match="no values"):
+        measure.spread([])
+
+
+def test_spec_run_figures_per_1000_tokens():
+    run = measure.SpecRun(tokens=500, seconds=10.0, drafts=100, draft_tokens=400, accepted=150)
+    assert run.tokens_per_s == 50.0
+    assert run.rejected == 250
+    assert run.decode_steps == 350
+    assert run.figures() == {"steps": 700.0, "drafts": 200.0, "draft_tokens": 800.0, "accepted": 300.0,
+                             "rejected": 500.0}
+    assert run.raw() == "500 tok/10.00 s, drafts 100, draft tok 400, accepted 150"
+
+
+def test_spec_run_refuses_impossible_counts():
+    with pytest.raises(ValueError, match="tokens > 0"):
+        measure.SpecRun(tokens=0, seconds=1.0)
+    with pytest.raises(ValueError, match="accepted draft tokens"):
+        measure.SpecRun(tokens=10, seconds=1.0, drafts=1, draft_tokens=2, accepted=3)
+
+
+def test_prometheus_counters_sum_labels_and_take_total_suffix():
+    page = "\n".join([
+        "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
+        "# TYPE vllm:spec_decode_num_drafts_total counter",
+        'vllm:spec_decode_num_drafts_total{engine="0",model_name="smollm2"} 12.0',
+        'vllm:spec_decode_num_drafts_total{engine="1",model_name="smollm2"} 3.0',
+        'vllm:spec_decode_num_drafts_created{engine="0",model_name="smollm2"} 1.7e9',
+        'vllm:spec_decode_num_draft_tokens_total{engine="0"} 40',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="0"} 9.0',
+        'vllm:spec_decode_num_accepted_tokens_total{engine="0"} 1.1e1',
+    ])
+    assert measure.prometheus_counters(page) == {measure.DRAFTS: 15.0, measure.DRAFT_TOKENS: 40.0,
+                                                 measure.ACCEPTED: 11.0}
+
+
+def test_counter_deltas_and_run_from():
+    before = {measure.DRAFTS: 5.0, measure.DRAFT_TOKENS: 20.0}
+    after = {measure.DRAFTS: 9.0, measure.DRAFT_TOKENS: 36.0, measure.ACCEPTED: 7.0}
+    deltas = measure.counter_deltas(before, after)
+    assert deltas == {measure.DRAFTS: 4, measure.DRAFT_TOKENS: 16, measure.ACCEPTED: 7}
+    assert measure.run_from(100, 2.0, deltas) == measure.SpecRun(100, 2.0, 4, 16, 7)
+
+
+def test_verdict_says_by_how_much():
+    assert measure.verdict(1.2, 1.15) == "met"
+    assert measure.verdict(1.05, 1.15) == "NOT met (by 0.1)"
+    assert measure.verdict(0.2, 0.3, higher_is_better=False) == "met"
+    assert measure.verdict(0.4, 0.3, higher_is_better=False) == "NOT met (by 0.1)"
+
+
+@given(st.lists(st.integers(0, 30), min_size=1, max_size=20), st.integers(0, 2**32 - 1))
+def test_survival_curves_are_monotone_and_end_with_the_draft(lengths, seed):
+    curves = measure.survival_curves(np.random.default_rng(seed), np.array(lengths), 24)
+    assert curves.shape == (len(lengths), 24)
+    assert np.all(np.diff(curves, axis=1) <= 0)
+    assert np.all((curves >= 0) & (curves <= 1))
+    for row, n in zip(curves, lengths):
+        assert np.all(row[min(n, 24):] == 0) and np.all(row[: min(n, 24)] > 0)
+
+
+def test_method_targets_name_the_best_other_and_the_gap(capsys):
+    run = lambda tps, drafted=0, acc=0: measure.SpecRun(int(tps * 10), 10.0, drafted, drafted, acc)  # noqa: E731
+    results = {("none", True): [run(20)], ("suffix", True): [run(40, 300, 100)], ("hvd", True): [run(44, 200, 100)]}
+    medians = vllm_methods.report("engine", results, ["none", "suffix", "hvd"], (True,), 8, "batch")
+    out = capsys.readouterr().out
+    assert "hvd / best other (suffix): 1.100  (target >= 1.15: NOT met (by 0.05))" in out
+    # rejected per 1000: suffix 200 of 400 tokens -> 500; hvd 100 of 440 -> 227.3
+    assert "rejected draft tokens per 1000: hvd 227.3 vs suffix 500.0  (target fewer than suffix: met)" in out
+    assert medians["on"]["hvd"]["tokens_per_s"] == 44.0
+
+
+def test_eagle_breakdown_parts_add_up_to_the_call():
+    record = {"call": 10.0, "propose": 8.0, "fc combine": 0.5, "forward": 3.0, "lm head": 1.0, "compute_logits": 1.75,
+              "sample": 2.0, "attn meta": 1.0, "input prep": 0.5}
+    parts = eagle_overhead.breakdown(record)
+    assert parts == {"runner prep": 2.0, "fc combine": 0.5, "forward": 3.0, "lm head": 1.0, "d2t scatter": 0.75,
+                     "argmax": 0.25, "attn meta": 1.0, "input prep": 0.5, "rest": 1.0}
+    assert sum(parts.values()) == pytest.approx(record["call"])
+    local = {"call": 4.0, "propose": 3.5, "forward": 2.0, "lm head": 0.5, "get_top_tokens": 0.7, "sample": 0.7}
+    parts = eagle_overhead.breakdown(local)
+    assert parts["d2t scatter"] == 0.0 and parts["argmax"] == pytest.approx(0.2)
+    assert sum(parts.values()) == pytest.approx(local["call"])
+
+
+def _libs(tmp_path: Path, *names: str) -> Path:
+    d = tmp_path / "lib"
+    d.mkdir(exist_ok=True)
+    for n in names:
+        (d / n).write_bytes(b"")
+    return d
+
+
+def test_preload_names_every_missing_library(tmp_path):
+    with pytest.raises(ve.PreloadError, match="libtcmalloc_minimal.so.4 from the Debian package "
+                                              "libtcmalloc-minimal4.*and libiomp5.so from the PyPI package intel-openmp"):
+        ve.preload_libraries([_libs(tmp_path)])
+    with pytest.raises(ve.PreloadError, match="libiomp5.so") as err:
+        ve.preload_libraries([_libs(tmp_path, "libtcmalloc_minimal.so.4")])
+    assert "tcmalloc" not in str(err.value).split(" not found")[0]
+
+
+def test_ld_preload_puts_ours_first_and_keeps_theirs_once(tmp_path):
+    d = _libs(tmp_path, "libtcmalloc_minimal.so.4", "libiomp5.so")
+    tc, iomp = str(d / "libtcmalloc_minimal.so.4"), str(d / "libiomp5.so")
+    assert ve.ld_preload(None, [d]) == f"{tc}:{iomp}"
+    assert ve.ld_preload(f"/x/libfoo.so {iomp}", [d]) == f"{tc}:{iomp}:/x/libfoo.so"
+
+
+def test_subprocess_env_only_touches_ld_preload_when_asked():
+    base = {"PATH": "/bin", "LD_PRELOAD": "/x/libfoo.so"}
+    assert ve.subprocess_env(False, base) == base
+    on = ve.subprocess_env(True, base)  # the libraries `make setup` installs
+    libs = on["LD_PRELOAD"].split(":")
+    assert "libtcmalloc" in libs[0] and libs[1].endswith("libiomp5.so") and libs[2] == "/x/libfoo.so"
+    assert all(Path(p).is_file() for p in libs[:2])
+    assert base["LD_PRELOAD"] == "/x/libfoo.so"
+
+
+def test_method_table_has_hvd_binary():
+    assert "hvd-binary" in ve.METHODS
+    assert ve.method_env("hvd-binary") == {"HVD_HYBRID": "1", "HVD_RULE": "binary", "HVD_MODEL_DRAFT_LEN": "3"}
+    assert ve.method_env("hvd")["HVD_RULE"] is None  # the runtime's default rule
+    assert ve.speculative_config("hvd-binary") == ve.speculative_config("hvd")
+    # the cut bench/eagle_overhead.py measured, for every EAGLE3-based method alike
+    for m in ("eagle3", "arctic", "hvd", "hvd-binary"):
+        assert ve.speculative_config(m)["use_local_argmax_reduction"] is True
+
+
+def test_committed_head_maps_draft_ids_to_increasing_target_ids():
+    """What makes the local argmax pick the same token as vLLM's full-vocabulary argmax, ties included."""
+    import torch
+    from safetensors.torch import load_file
+
+    d2t = load_file(str(ve.EAGLE_HEAD / "model.safetensors"))["d2t"]
+    targets = torch.arange(d2t.numel()) + d2t
+    assert bool((targets[1:] > targets[:-1]).all())
+
+
+def test_serve_command_preloads_unless_switched_off(monkeypatch):
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    argv, env = serve_vllm.command(serve_vllm.ServeOptions("sqlite:///x.db"))
+    assert "libtcmalloc" in env["LD_PRELOAD"] and "libiomp5.so" in env["LD_PRELOAD"]
+    assert argv[argv.index("--speculative-config") + 1].startswith('{"method": "eagle3"')
+    _, env = serve_vllm.command(serve_vllm.ServeOptions("sqlite:///x.db", preload=False))
+    assert "LD_PRELOAD" not in env
+
+
+def test_baseline_server_is_the_same_server_without_the_plugin(monkeypatch):
+    monkeypatch.setenv("HVD_HYBRID", "1")
+    argv, env = vllm_methods.server_command("none", 8123, False, "sqlite:///x.db")
+    hvd_argv, hvd_env = vllm_methods.server_command("hvd", 8123, False, "sqlite:///x.db")
+    assert "--speculative-config" not in argv and "HVD_HYBRID" not in env
+    assert hvd_env["HVD_HYBRID"] == "1"
+    assert hvd_argv[: hvd_argv.index("--speculative-config")] == argv
+    suffix, _ = vllm_methods.server_command("suffix", 8123, False, "sqlite:///x.db")
+    assert suffix[-1] == '{"method": "suffix", "num_speculative_tokens": 16}'
+    with pytest.raises(ValueError, match="baselines"):
+        vllm_methods.server_command("hvd-binary", 8123, False, "sqlite:///x.db")
