@@ -19,6 +19,7 @@ The same code decides on the live runtime, the replay engine and the offline sim
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,7 +81,7 @@ def allocate(cache_survival: np.ndarray, cache_len: np.ndarray, model_survival: 
     width = s.shape[1]
     lengths = np.minimum(lengths, width)
     s = np.where(np.arange(width)[None, :] < lengths[:, None], s, 0.0)
-    step = _StepCost(cost, n if batch is None else batch, se.shape[1])
+    step = _step_cost(cost, n if batch is None else batch, se.shape[1])
     cum_cache = np.zeros((n, width + 1))
     np.cumsum(s, axis=1, out=cum_cache[:, 1:])
     cum_model = np.zeros((n, se.shape[1] + 1))
@@ -171,7 +172,7 @@ def allocate_each(cache_survival: np.ndarray, cache_len: np.ndarray, model_survi
     _check(s, lengths, se, mode)
     width, k_max = s.shape[1], se.shape[1]
     lengths = np.minimum(lengths, width)
-    step = _StepCost(cost, 1, k_max)
+    step = _step_cost(cost, 1, k_max)
     cum_cache = np.zeros((m, width + 1))
     np.cumsum(np.where(np.arange(width)[None, :] < lengths[:, None], s, 0.0), axis=1, out=cum_cache[:, 1:])
     cum_model = np.zeros((m, k_max + 1))
@@ -201,8 +202,14 @@ def allocate_each(cache_survival: np.ndarray, cache_len: np.ndarray, model_survi
     return Allocations(source, length, model_k.astype(np.int64), expected, step_ms, tau)
 
 
+@functools.lru_cache(maxsize=256)
+def _step_cost(cost: CostProfile, batch: int, k_max: int) -> "_StepCost":
+    """Steps of one engine run share a handful of (profile, batch, k_max): read each once."""
+    return _StepCost(cost, batch, k_max)
+
+
 class _StepCost:
-    """The cost profile read once per step at the step's batch size (scalars, no per-call parsing)."""
+    """The cost profile read at one batch size (scalars, no per-call parsing)."""
 
     def __init__(self, cost: CostProfile, batch: int, k_max: int) -> None:
         self.base, self.per_query = cost.step_line(batch)

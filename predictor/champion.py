@@ -7,7 +7,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from predictor.features import schema_hash
-from predictor.mlp import BlobError, GatePredictor
+from predictor.mlp import DRAFT_LEN_COLUMN, SURVIVAL_K, BlobError, GatePredictor
 from storage.engine import session_scope
 from storage.errors import CorruptBlobError, StorageError
 from storage.versions import (CHAMPION, PredictorVersion, UnloadableVersionError, create_version, get_alias_version,
@@ -18,21 +18,39 @@ class NoChampionError(LookupError):
     pass
 
 
+# Version kinds in storage (predictor_versions.kind), by the gate's own kind.
+VERSION_KINDS = {"point": "mlp", "survival": "survival"}
+
+
+def version_kind(gate: GatePredictor) -> str:
+    """What a stored version of ``gate`` is called: "survival" or "mlp" (the seed's point gate)."""
+    return VERSION_KINDS[gate.kind]
+
+
 def _probe(num_features: int) -> np.ndarray:
     """A small fixed input: zeros, ones and seeded normal rows, so a blob whose weights overflow on
-    ordinary inputs is refused before any replica serves it."""
+    ordinary inputs is refused before any replica serves it. Every row but the zeros one has a
+    draft length in 1..SURVIVAL_K, so a survival gate's whole curve is exercised."""
     rows = np.random.default_rng(0).normal(0.0, 3.0, size=(6, num_features))
-    return np.vstack([np.zeros(num_features), np.ones(num_features), rows]).astype(np.float32)
+    probe = np.vstack([np.zeros(num_features), np.ones(num_features), rows]).astype(np.float32)
+    probe[2:, DRAFT_LEN_COLUMN] = np.linspace(2, SURVIVAL_K, len(probe) - 2).round()
+    return probe
 
 
 def gate_from_blob(blob: bytes) -> GatePredictor:
     """The gate in ``blob`` if it is for this code's feature schema and scores the probe to finite
-    values; BlobError saying what is wrong otherwise."""
+    values (a survival gate: finite logits and a curve in [0, 1]); BlobError saying what is wrong
+    otherwise."""
     gate = GatePredictor.from_bytes(blob, expected_schema_hash=schema_hash())
+    probe = _probe(gate.num_features)
     with np.errstate(all="ignore"):
-        scores = gate.predict(_probe(gate.num_features))
-    if not np.all(np.isfinite(scores)):
+        scores = gate.predict(probe)
+        logits = gate.logits(probe)
+        curve = gate.survival(probe) if gate.kind == "survival" else np.zeros(0)
+    if not (np.all(np.isfinite(scores)) and np.all(np.isfinite(logits))):
         raise BlobError("predictor blob scores a fixed probe input to non-finite values")
+    if not (np.all(np.isfinite(curve)) and np.all((curve >= 0.0) & (curve <= 1.0))):
+        raise BlobError("predictor blob gives a fixed probe input a survival curve outside [0, 1]")
     return gate
 
 
@@ -52,8 +70,9 @@ def promote(session: Session, version_id: int, *, reason: str, actor: str) -> No
 
 def store_champion(session: Session, gate: GatePredictor, *, reason: str, actor: str) -> int:
     """Store ``gate`` as a new version and promote it (benchmarks and tests that need a champion)."""
-    version = create_version(session, blob=gate.to_bytes(), kind="mlp", feature_schema_hash=gate.schema_hash,
-                             metrics={}, training_summary={}, reason=reason, created_by=actor)
+    version = create_version(session, blob=gate.to_bytes(), kind=version_kind(gate),
+                             feature_schema_hash=gate.schema_hash, metrics={}, training_summary={}, reason=reason,
+                             created_by=actor)
     promote(session, version.id, reason=reason, actor=actor)
     return version.id
 
@@ -75,4 +94,4 @@ def load_gate(engine: Engine, version_id: int | None = None) -> tuple[int, GateP
 
 
 __all__ = ["CHAMPION", "NoChampionError", "UnloadableVersionError", "load_gate", "promote", "store_champion", "unloadable_reason",
-           "StorageError"]
+           "StorageError", "VERSION_KINDS", "version_kind"]

@@ -38,3 +38,26 @@ def calibration(predicted: np.ndarray, label: np.ndarray) -> list[dict[str, floa
                           "mean_predicted": round(float(predicted[sel].mean()), 3),
                           "mean_observed": round(float(label[sel].mean()), 3)})
     return table
+
+
+def survival_reliability(survival: np.ndarray, draft_len: np.ndarray,
+                         label: np.ndarray) -> list[dict[str, float | int]]:
+    """Per draft position j: over the drafts long enough to reach j, the mean predicted S(j) vs
+    the share whose accepted length reached j (a calibrated curve has gap ~ 0 at every j).
+    Positions no draft reaches are left out."""
+    survival = np.asarray(survival, dtype=np.float64)
+    draft_len = np.asarray(draft_len)
+    label = np.asarray(label)
+    if survival.ndim != 2 or len(survival) != len(draft_len) or len(label) != len(draft_len):
+        raise ValueError(f"survival must be (n x K) with n = len(draft_len) = len(label); got {survival.shape}, "
+                         f"{len(draft_len)} draft lengths, {len(label)} labels")
+    table = []
+    for j in range(1, survival.shape[1] + 1):
+        reach = draft_len >= j
+        n = int(reach.sum())
+        if n:
+            predicted = float(survival[reach, j - 1].mean())
+            observed = float(np.mean(label[reach] >= j))
+            table.append({"position": j, "count": n, "mean_predicted": round(predicted, 4),
+                          "observed": round(observed, 4), "gap": round(predicted - observed, 4)})
+    return table

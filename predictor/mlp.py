@@ -1,9 +1,16 @@
-"""g_theta: a small MLP regressor of the cache draft's accepted length, and its numpy twin.
+"""g_theta: a small MLP over the cache draft's features, and its numpy twin.
+
+Two kinds share the body. A *survival* gate (the default) ends in K = SURVIVAL_K logits, one per
+draft position j, of the conditional acceptance h_j = P(accepted >= j | accepted >= j-1); its
+survival curve S(j) = prod_{i<=j} sigmoid(z_i) is monotone by construction and 0 past the draft's
+end, and its expected accepted length sum_j S(j) is what `predict` returns. A *point* gate (the
+seed's, format hvd-mlp/1) ends in one output, the regressed accepted length; old versions of it
+still load and serve.
 
 Training uses torch; the decode path uses `GatePredictor`, plain numpy matmuls over the whole batch,
 because a torch call costs tens of microseconds of dispatch per request-sized batch. Both compute
 the same function from the same float32 weights. Blobs are safetensors (no code runs on load) with
-the feature schema hash and layer sizes in the header; anything that does not match is refused.
+the format, feature schema hash and layer count in the header; anything that does not match is refused.
 """
 from __future__ import annotations
 
@@ -15,7 +22,17 @@ import torch
 from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
 
-BLOB_FORMAT = "hvd-mlp/1"
+from predictor.cache_drafter import SuffixConfig
+from predictor.features import FEATURE_NAMES
+
+SURVIVAL_K = SuffixConfig().num_speculative_tokens  # the longest draft the cache makes
+DRAFT_LEN_COLUMN = FEATURE_NAMES.index("draft_len")
+POINT_FORMAT = "hvd-mlp/1"
+SURVIVAL_FORMAT = "hvd-survival/1"
+BLOB_FORMAT = POINT_FORMAT  # the seed's name for the point format
+FORMATS = {POINT_FORMAT: ("point", 1), SURVIVAL_FORMAT: ("survival", SURVIVAL_K)}  # format -> (kind, outputs)
+_KIND_OF_WIDTH = {outputs: kind for kind, outputs in FORMATS.values()}
+_FORMAT_OF_KIND = {kind: fmt for fmt, (kind, _) in FORMATS.items()}
 
 
 class BlobError(ValueError):
@@ -23,9 +40,12 @@ class BlobError(ValueError):
 
 
 class MLP(torch.nn.Module):
-    """Standardise, then ReLU layers; the output is clamped at 0 by the caller, not trained on."""
+    """Standardise, then ReLU layers. outputs=1: the point regressor, forward gives (n,), clamped at
+    0 by the caller, not trained on. outputs=SURVIVAL_K: forward gives the (n, K) conditional logits."""
 
-    def __init__(self, num_features: int, hidden: tuple[int, ...] = (128, 64, 32)) -> None:
+    def __init__(self, num_features: int, hidden: tuple[int, ...] = (128, 64, 32), outputs: int = 1) -> None:
+        if outputs not in _KIND_OF_WIDTH:
+            raise ValueError(f"MLP outputs must be 1 (point) or {SURVIVAL_K} (survival), got {outputs}")
         super().__init__()
         self.register_buffer("mean", torch.zeros(num_features))
         self.register_buffer("scale", torch.ones(num_features))
@@ -34,12 +54,25 @@ class MLP(torch.nn.Module):
         for h in hidden:
             layers += [torch.nn.Linear(width, h), torch.nn.ReLU()]
             width = h
-        layers.append(torch.nn.Linear(width, 1))
+        layers.append(torch.nn.Linear(width, outputs))
         self.net = torch.nn.Sequential(*layers)
         self.hidden = tuple(hidden)
+        self.outputs = outputs
+
+    @property
+    def kind(self) -> str:
+        return _KIND_OF_WIDTH[self.outputs]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net((x - self.mean) / self.scale).squeeze(-1)
+        out = self.net((x - self.mean) / self.scale)
+        return out.squeeze(-1) if self.outputs == 1 else out
+
+
+def survival_from_logits(logits: torch.Tensor, draft_len: torch.Tensor) -> torch.Tensor:
+    """S(j) from the conditional logits (torch, differentiable): what GatePredictor.survival computes."""
+    positions = torch.arange(1, logits.shape[1] + 1, device=logits.device)
+    curve = torch.cumprod(torch.sigmoid(logits), dim=1)
+    return curve * (positions[None, :] <= draft_len[:, None]).to(curve.dtype)
 
 
 @dataclass
@@ -53,6 +86,12 @@ class GatePredictor:
     schema_hash: str
 
     def __post_init__(self) -> None:
+        width = self.weights[-1].shape[1] if self.weights and self.weights[-1].ndim == 2 else None
+        if width not in _KIND_OF_WIDTH:
+            raise ValueError(f"a gate's last layer must have 1 output (point) or {SURVIVAL_K} (survival), "
+                             f"got {width}")
+        self._kind = _KIND_OF_WIDTH[width]
+        self._positions = np.arange(1, width + 1, dtype=np.float32)
         # Fold the scaler into the first layer: two fewer array operations per call, which is
         # most of the cost at batch 1.
         w0 = self.weights[0] / self.scale[:, None]
@@ -76,8 +115,18 @@ class GatePredictor:
     def num_features(self) -> int:
         return len(self.mean)
 
-    def predict(self, x: np.ndarray) -> np.ndarray:
-        """Predicted accepted length per row (float32, >= 0)."""
+    @property
+    def kind(self) -> str:
+        """"point" (one regressed length) or "survival" (a curve over the SURVIVAL_K draft positions)."""
+        return self._kind
+
+    @property
+    def blob_format(self) -> str:
+        return _FORMAT_OF_KIND[self._kind]
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        """The last layer's raw output (n, outputs): the unclamped regression of a point gate, the
+        per-position conditional logits of a survival gate."""
         h = np.asarray(x, dtype=np.float32)
         last = len(self._layers) - 1
         for i, (w, b) in enumerate(self._layers):
@@ -85,14 +134,42 @@ class GatePredictor:
             h += b
             if i < last:
                 np.maximum(h, 0.0, out=h)
-        return np.maximum(h[:, 0], 0.0)
+        return h
+
+    def survival(self, x: np.ndarray) -> np.ndarray:
+        """S(j) = P(accepted >= j), j = 1..SURVIVAL_K, per row (float32, n x K): non-increasing in
+        j (a running product of factors in [0, 1]) and 0 past the row's draft length."""
+        if self._kind != "survival":
+            raise TypeError(f"a point-estimate predictor ({POINT_FORMAT}) has no survival curve; "
+                            f"only {SURVIVAL_FORMAT} gates do (retrain: hvd warmstart)")
+        x = np.asarray(x, dtype=np.float32)
+        return self._curve(self.logits(x), x[:, DRAFT_LEN_COLUMN])
+
+    def _curve(self, z: np.ndarray, draft_len: np.ndarray) -> np.ndarray:
+        # sigmoid(z) = (1 + tanh(z/2)) / 2: no overflow warnings for large |z|, exactly in [0, 1]
+        z *= 0.5
+        np.tanh(z, out=z)
+        z += 1.0
+        z *= 0.5
+        np.cumprod(z, axis=1, out=z)
+        z *= self._positions <= draft_len[:, None]
+        return z
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        """Predicted accepted length per row (float32, >= 0): the clamped regression of a point
+        gate, the expected accepted length sum_j S(j) (<= the draft length) of a survival gate."""
+        x = np.asarray(x, dtype=np.float32)
+        z = self.logits(x)
+        if self._kind == "point":
+            return np.maximum(z[:, 0], 0.0)
+        return self._curve(z, x[:, DRAFT_LEN_COLUMN]).sum(axis=1)
 
     def to_bytes(self) -> bytes:
         tensors = {"mean": self.mean, "scale": self.scale}
         for i, (w, b) in enumerate(zip(self.weights, self.biases)):
             tensors[f"w{i}"] = w
             tensors[f"b{i}"] = b
-        meta = {"format": BLOB_FORMAT, "schema_hash": self.schema_hash, "layers": str(len(self.weights))}
+        meta = {"format": self.blob_format, "schema_hash": self.schema_hash, "layers": str(len(self.weights))}
         return _canonical_safetensors(tensors, meta)
 
     @classmethod
@@ -102,8 +179,10 @@ class GatePredictor:
             meta = _metadata(blob)
         except (SafetensorError, ValueError, json.JSONDecodeError) as exc:
             raise BlobError(f"predictor blob is not a readable safetensors file: {exc}") from exc
-        if meta.get("format") != BLOB_FORMAT:
-            raise BlobError(f"predictor blob has format {meta.get('format')!r}, expected {BLOB_FORMAT!r}")
+        fmt = meta.get("format")
+        if fmt not in FORMATS:
+            raise BlobError(f"predictor blob has format {ascii(fmt)}; known formats: {', '.join(FORMATS)}")
+        outputs = FORMATS[fmt][1]
         if expected_schema_hash is not None and meta.get("schema_hash") != expected_schema_hash:
             raise BlobError(
                 f"predictor blob was trained on feature schema {ascii(str(meta.get('schema_hash'))[:12])[1:-1]}, "
@@ -128,8 +207,12 @@ class GatePredictor:
             if w.ndim != 2 or w.shape[0] != width or b.shape != (w.shape[1],):
                 raise BlobError(f"predictor blob layer {i} has shape {w.shape}/{b.shape}, expected input width {width}")
             width = w.shape[1]
-        if width != 1 or scale.shape != mean.shape:
-            raise BlobError("predictor blob does not end in one output or its scaler is malformed")
+        if width != outputs:
+            wanted = "one output" if outputs == 1 else f"{outputs} outputs (one per draft position)"
+            raise BlobError(f"predictor blob does not end in {wanted} as format {fmt} requires; "
+                            f"its last layer has {width}")
+        if scale.shape != mean.shape:
+            raise BlobError(f"predictor blob scaler is malformed: scale {scale.shape} vs mean {mean.shape}")
         if not (np.all(np.isfinite(scale)) and np.all(scale > 0)):
             raise BlobError("predictor blob scaler has a zero, negative or non-finite scale")
         if not all(np.all(np.isfinite(a)) for a in [mean, *weights, *biases]):

@@ -1,14 +1,15 @@
 """Online learning of g_theta from hindsight labels, with drift detection, in river's two verbs:
 `learn_many(batch)` and `predict_many(features)` (the challenger's predictions).
 
-The learner keeps a challenger (a trainable copy of the champion) and updates it in mini-batches
-of new labelled cache drafts mixed with a replay buffer sampled evenly across workloads, so one
-busy workload does not erase what the others taught. Every event is first scored by both models
-before the challenger learns from it (`shadow`: predictor.promotion.ShadowWindow); whether that
-earns a promotion is the policy's call (predictor.promotion.PromotionPolicy), acting on it the
-caller's. A per-workload ADWIN on the champion's error flags drift; the learner then takes larger
-steps for a while. Deterministic under a seed: the same events in the same order give the same
-models and the same shadow scores.
+The learner keeps a challenger (a trainable copy of the champion, of the champion's kind) and
+updates it in mini-batches of new labelled cache drafts mixed with a replay buffer sampled evenly
+across workloads, so one busy workload does not erase what the others taught; a survival gate
+learns with the censored loss of predictor.training, a point gate with squared error. Every
+event is first scored by both models (by their predicted lengths) before the challenger learns from
+it (`shadow`: predictor.promotion.ShadowWindow); whether that earns a promotion is the policy's
+call (predictor.promotion.PromotionPolicy), acting on it the caller's. A per-workload ADWIN on
+the champion's error flags drift; the learner then takes larger steps for a while. Deterministic
+under a seed: the same events in the same order give the same models and the same shadow scores.
 """
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ import torch
 from river import drift
 
 from predictor.features import NUM_FEATURES
-from predictor.mlp import MLP, GatePredictor
+from predictor.mlp import DRAFT_LEN_COLUMN, MLP, GatePredictor
 from predictor.promotion import GoodputFn, PromotionPolicy, ShadowWindow
+from predictor.training import censored_bce
 from predictor.traces import WORKLOADS
 
 
@@ -71,10 +73,7 @@ class OnlineLearner:
         torch.manual_seed(self.config.seed)
         self._rng = np.random.default_rng(self.config.seed)
         self.champion = champion
-        # vLLM builds its plugins under torch.inference_mode(); tensors made there can never train.
-        with torch.inference_mode(False):
-            self.model = _to_torch(champion)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.config.learning_rate)
+        self._start_challenger(champion)
         self._buffers = {w: _Reservoir(self.config.buffer_per_workload, NUM_FEATURES, self._rng) for w in range(len(WORKLOADS))}
         self._adwin = {w: drift.ADWIN(delta=self.config.adwin_delta, clock=1) for w in range(len(WORKLOADS))}
         self._pending_errors: dict[int, list[float]] = {}
@@ -84,11 +83,20 @@ class OnlineLearner:
         self.events_seen = 0
         self.updates = 0
 
+    def _start_challenger(self, champion: GatePredictor) -> None:
+        # vLLM builds its plugins under torch.inference_mode(); tensors made there can never train.
+        with torch.inference_mode(False):
+            self.model = _to_torch(champion)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=self.config.learning_rate)
+
     def challenger(self) -> GatePredictor:
         return GatePredictor.from_torch(self.model, self.champion.schema_hash)
 
     def adopt(self, champion: GatePredictor) -> None:
-        """A new champion (promoted here, or moved by an operator's rollback): score against it."""
+        """A new champion (promoted here, or moved by an operator's rollback): score against it. A
+        champion of the other kind restarts the challenger from it, so the two stay comparable."""
+        if champion.kind != self.model.kind:
+            self._start_challenger(champion)
         self.champion = champion
         self.shadow.clear()
         self.since_promotion = 0
@@ -152,7 +160,10 @@ class OnlineLearner:
         self._boost = max(0, self._boost - 1)
         with torch.inference_mode(False), torch.enable_grad():
             self.model.train()
-            loss = ((self.model(x) - y) ** 2).mean()
+            if self.model.kind == "survival":
+                loss = censored_bce(self.model(x), x[:, DRAFT_LEN_COLUMN], y)
+            else:
+                loss = ((self.model(x) - y) ** 2).mean()
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.optimizer.step()
@@ -185,9 +196,9 @@ class _Reservoir:
 
 
 def _to_torch(gate: GatePredictor) -> MLP:
-    """The champion as a trainable torch module (same function, same float32 weights)."""
+    """The champion as a trainable torch module of its kind (same function, same float32 weights)."""
     hidden = tuple(w.shape[1] for w in gate.weights[:-1])
-    model = MLP(gate.num_features, hidden)
+    model = MLP(gate.num_features, hidden, gate.weights[-1].shape[1])
     with torch.no_grad():
         model.mean.copy_(torch.from_numpy(gate.mean))
         model.scale.copy_(torch.from_numpy(gate.scale))

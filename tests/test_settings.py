@@ -17,7 +17,7 @@ def test_defaults():
     s = ServingSettings.from_env({})
     assert s == ServingSettings(
         database_url=None, fallback=None, model_draft_len=3, cost_profile="cpu-smollm2",
-        drafter_profile="eagle3-smollm2", max_running=None, backoff="none", fixed_tau=None, rule="gate",
+        drafter_profile="eagle3-smollm2", max_running=None, backoff="none", fixed_tau=None, rule="allocator",
         eagle_warm=False, default_workload="chat", default_tenant="default", learn=True)
 
 
@@ -36,7 +36,8 @@ def test_values_are_parsed():
     ("HVD_MAX_RUNNING", "0", "an integer >= 1"),
     ("HVD_FIXED_TAU", "high", "a number"),
     ("HVD_BACKOFF", "pause", "one of ('none', 'cache_only')"),
-    ("HVD_RULE", "oracle", "one of ('gate', 'arctic')"),
+    ("HVD_RULE", "oracle", "one of ('allocator', 'binary', 'arctic')"),
+    ("HVD_RULE", "gate", "one of ('allocator', 'binary', 'arctic')"),  # the old name of binary: refused
     ("HVD_FALLBACK", "eagle", "one of ('model', 'none')"),
     ("HVD_DEFAULT_WORKLOAD", "mail", "one of ('agentic', 'code_edit', 'coding', 'sql', 'chat')"),
     ("HVD_LEARN", "sometimes", "one of ('1', 'true', 'yes', 'on', '0', 'false', 'no', 'off')"),

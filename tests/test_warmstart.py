@@ -8,6 +8,7 @@ from sqlalchemy import update
 
 from predictor.champion import CHAMPION, NoChampionError, load_gate
 from predictor.features import NUM_FEATURES, schema_hash
+from predictor.metrics import survival_reliability
 from predictor.mlp import BlobError, GatePredictor
 from predictor.training import TrainConfig, train_mlp
 from predictor.warmstart import build_dataset, warmstart
@@ -64,15 +65,30 @@ def test_warmstart_round_trips_through_sqlite(dataset, engine):
         champion = get_alias_version(session, CHAMPION)
         assert champion is not None and champion.id == version_id
         assert champion.parent_id is None
-        assert champion.kind == "mlp"
+        assert champion.kind == "survival" and gate.kind == "survival"
         assert champion.feature_schema_hash == schema_hash()
+        assert champion.metrics["kind"] == "survival"
         overall = champion.metrics["test"]["overall"]
         assert {"precision_ge6", "recall_ge6", "mae"} <= set(overall)
         assert 0.0 <= overall["precision_ge6"] <= 1.0 and overall["mae"] >= 0.0
+        test = dataset.rows(test=True)
+        assert champion.metrics["test"]["reliability"] == survival_reliability(
+            trained.survival(x), rp.draft_len[test], rp.label[test])
+        assert champion.metrics["test"]["reliability"][0]["count"] == int(test.sum())  # every draft reaches position 1
         summary = champion.training_summary
+        assert summary["kind"] == "survival" and summary["config"]["kind"] == "survival"
         assert summary["config"]["epochs"] == 1
         assert summary["train"]["records"] + summary["test"]["records"] == 32
         assert summary["replay_key"] == dataset.key
+
+
+def test_point_warmstart_stores_an_mlp_version_without_a_curve(dataset, engine):
+    version_id = warmstart(engine, dataset, TrainConfig(epochs=1, kind="point"), log=lambda _: None)
+    assert load_gate(engine)[1].kind == "point"
+    with session_scope(engine) as session:
+        version = get_version(session, version_id)
+        assert version.kind == "mlp" and version.metrics["kind"] == "point"
+        assert "reliability" not in version.metrics["test"] and version.training_summary["kind"] == "point"
 
 
 def test_second_warmstart_is_a_child_of_the_first(dataset, engine):

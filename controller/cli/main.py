@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from controller.cli import overrides as cli_overrides
-from controller.core.decision import BACKOFFS, FALLBACKS
+from controller.core.decision import BACKOFFS, FALLBACKS, RULES
 from predictor.traces import DEFAULT_MAX_RECORD_BYTES
 
 DESCRIPTION = """Hybrid Verified Decoding: a learned gate that decides, per decoding step, whether to verify
@@ -40,13 +40,21 @@ def _parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="simulate every policy on held-out sessions; print a table, write a JSON report",
                        description="Decode the held-out sessions under no speculation, suffix-only, model-only, the "
-                                   "ArcticInference rule, HVD (the stored predictor + goodput tau) and an oracle gate. "
-                                   "Model-drafter figures are simulated.")
+                                   "ArcticInference rule, HVD (the verification allocator over the stored predictor's "
+                                   "survival curves), HVD-binary (the predictor against the goodput tau), the binary "
+                                   "oracle gate and oracle-length (the allocator fed the true accepted lengths). Decode "
+                                   "cycles at batch 1 under --cost-profile; engine ms per 1000 tokens in every "
+                                   "--settings entry (batch > 1: that many requests in lockstep). Model-drafter "
+                                   "figures and all times are simulated.")
     traces_args(e)
     e.add_argument("--json", type=Path, metavar="OUT", help="write the JSON report here")
     e.add_argument("--version", type=int, help="predictor version id (default: the champion)")
     e.add_argument("--drafter", nargs="+", help="model-drafter profiles (default: all in predictor/profiles.toml)")
-    e.add_argument("--cost-profile", default="gpu-8b", help="cost profile for tau and speedup (default gpu-8b)")
+    e.add_argument("--cost-profile", default="gpu-8b",
+                   help="cost profile for the batch-1 cycle figures and speedup (default gpu-8b)")
+    e.add_argument("--settings", nargs="+", metavar="PROFILE/bN",
+                   help="cost profile and batch size pairs for ms_per_1k (default: "
+                        "cpu-smollm2/b1 cpu-smollm2/b8 gpu-8b/b1 gpu-8b/b64)")
     e.add_argument("--all-sessions", action="store_true",
                    help="evaluate on every session, e.g. your own traces that the predictor never saw")
 
@@ -64,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--fallback", choices=FALLBACKS, default="model",
                     help="what a step does when the cache draft is not verified (default: the EAGLE3 head)")
     sv.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    sv.add_argument("--no-preload", action="store_true",
+                    help="start vLLM without tcmalloc and Intel OpenMP in LD_PRELOAD (vLLM's CPU guide preloads both)")
     sv.add_argument("--max-running", type=int, help="back off from speculation above this many running requests")
     sv.add_argument("--backoff", choices=BACKOFFS, default="none",
                     help="what back-off means: no speculation, or cache drafts only")
@@ -78,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("--synchronous", action="store_true",
                     help="run writers and learner inside the serving loop: deterministic, slower")
     rp.add_argument("--seed", type=int, default=0)
+    rp.add_argument("--rule", choices=RULES, default="allocator",
+                    help="allocator: HVD's per-step plan; binary: the predicted length against tau, whole drafts; "
+                         "arctic: ArcticInference's score rule (default allocator)")
 
     sc = sub.add_parser("scenario", help="scripted experiments on the replay engine",
                         description="shift: warm start without one workload, then serve held-out sessions in which "
@@ -148,14 +161,16 @@ def _warmstart(args: argparse.Namespace, engine) -> int:
 
 def _eval(args: argparse.Namespace, engine) -> int:
     from predictor.champion import load_gate
-    from predictor.evaluation import evaluate, format_table
+    from predictor.evaluation import evaluate, format_table, parse_settings
     from predictor.profiles import cost_profiles, drafter_profiles, pick
 
     drafters = pick(drafter_profiles(), args.drafter, "drafter")
-    (cost,) = pick(cost_profiles(), [args.cost_profile], "cost")
+    costs = cost_profiles()
+    (cost,) = pick(costs, [args.cost_profile], "cost")
+    settings = parse_settings(args.settings, costs) if args.settings else None
     version_id, gate = load_gate(engine, args.version)
     report = evaluate(_dataset(args), gate, drafters, cost, seed=args.seed, all_traces=args.all_sessions,
-                      version_id=version_id)
+                      version_id=version_id, settings=settings)
     print(format_table(report))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -212,7 +227,7 @@ def _serve(args: argparse.Namespace, engine) -> int:
         raise ValueError(f"--max-running must be >= 1, got {args.max_running}")
     exec_server(ServeOptions(database_url=engine.url.render_as_string(hide_password=False), host=args.host,
                              port=args.port, fallback=args.fallback, dtype=args.dtype,
-                             max_running=args.max_running, backoff=args.backoff))
+                             max_running=args.max_running, backoff=args.backoff, preload=not args.no_preload))
     return 0
 
 
@@ -234,7 +249,7 @@ def _serve_replay(args: argparse.Namespace, engine) -> int:
           f"learning {'off' if args.no_learn else 'on'}); Ctrl-C or SIGTERM stops cleanly")
     opts = ReplayServeOptions(batch_size=args.batch_size, tenants=args.tenants, seed=args.seed,
                               learn=not (args.no_learn or args.oracle), synchronous=args.synchronous,
-                              oracle=args.oracle)
+                              oracle=args.oracle, rule=args.rule)
     result = serve_replay(engine, records, opts)
     print(format_serve_summary(result))
     return 1 if result.tally.lost else 0  # anything lost at exit is an error, after saying how much

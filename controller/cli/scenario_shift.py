@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from controller.cli.serve_traces import ReplayServeOptions, serve_replay
-from predictor.champion import CHAMPION
+from predictor.champion import store_champion
 from predictor.features import schema_hash
 from predictor.metrics import precision_recall
 from predictor.mlp import GatePredictor
@@ -31,7 +31,6 @@ from predictor.warmstart import Dataset
 from storage.engine import make_engine, session_scope
 from storage.events import list_events
 from storage.migrate import upgrade
-from storage.versions import create_version, set_alias
 
 WITHIN = 0.05
 
@@ -58,9 +57,7 @@ def _fresh_db(path: Path, gate: GatePredictor, reason: str) -> str:
     engine = make_engine(url)
     upgrade(engine)
     with session_scope(engine) as s:
-        v = create_version(s, blob=gate.to_bytes(), kind="mlp", feature_schema_hash=gate.schema_hash, metrics={},
-                           training_summary={"scenario": reason}, reason=reason, created_by="hvd scenario shift")
-        set_alias(s, CHAMPION, v.id, reason=reason, actor="hvd scenario shift")
+        store_champion(s, gate, reason=reason, actor="hvd scenario shift")
     return url
 
 

@@ -41,6 +41,7 @@ class ReplayServeOptions:
     learn: bool = True
     drafter: str = "eagle3-1.75"
     cost_profile: str = "gpu-8b"
+    rule: str = "allocator"  # controller.core.decision.RULES
     replica: str = "replica-0"
     synchronous: bool = False
     sync_every: int = 50  # steps between synchronous learner rounds
@@ -106,9 +107,9 @@ def serve_replay(engine: Engine, records: Sequence[TraceRecord], opts: ReplaySer
     (drafter,) = pick(drafter_profiles(), [opts.drafter], "drafter")
     (cost,) = pick(cost_profiles(), [opts.cost_profile], "cost")
     tokenizer = TraceTokenizer()
-    stack = ServiceStack.build(engine, decision_config(drafter, cost), tokenizer.classes, replica=opts.replica,
-                               learn=opts.learn, learner_config=opts.learner, leader_lock=not opts.synchronous,
-                               stats_interval=2.0, poll_interval=1.0)
+    stack = ServiceStack.build(engine, decision_config(drafter, cost, rule=opts.rule), tokenizer.classes,
+                               replica=opts.replica, learn=opts.learn, learner_config=opts.learner,
+                               leader_lock=not opts.synchronous, stats_interval=2.0, poll_interval=1.0)
     runtime, learner = stack.runtime, stack.learner
     if opts.synchronous:
         stack.poller.poll_once()

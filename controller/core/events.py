@@ -30,6 +30,9 @@ class LabelledEvent:
     tau: float | None
     predictor_version_id: int | None
     features: bytes | None  # float32 row of the feature vector the gate saw (cache drafts)
+    # Draft tokens the engine verified: a prefix of a cache draft the allocator cut (the label is the
+    # whole draft's, for learning); None when nothing of this draft was verified.
+    verified_len: int | None = None
 
     def to_row(self) -> dict:
         from datetime import datetime, timezone
@@ -39,7 +42,7 @@ class LabelledEvent:
             "request_id": self.request_id, "position": self.position, "drafter": self.drafter,
             "decision": self.decision, "draft_len": self.draft_len, "accepted": self.accepted,
             "predicted": self.predicted, "tau": self.tau, "predictor_version_id": self.predictor_version_id,
-            "features": self.features,
+            "features": self.features, "verified_len": self.verified_len,
         }
 
 

@@ -1,6 +1,6 @@
 """What the runtime remembers about one running request: who it is for, its hindsight tracker
 (tokens, drafts waiting for labels, history), what was decided about each of its cache drafts, and
-the model draft awaiting the next step's token count."""
+the draft the engine verifies this step, awaiting the next step's token count."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,12 +19,17 @@ class CacheDraftRecord:
     tau: float  # NaN for shadow drafts
     version_id: int | None
     features: bytes  # the float32 feature row the gate saw
+    verified_len: int | None = None  # the prefix the step verified (cache decisions only)
 
 
 @dataclass(frozen=True, slots=True)
-class ModelDraftRecord:
+class VerifiedDraft:
+    """What the engine verifies for the request in this step; the tokens it reports next step say
+    how many were accepted (as the engine counts them: tokens emitted - 1)."""
+
     position: int
-    draft_len: int
+    draft_len: int  # tokens verified: the cache draft's prefix, or the step's model draft length k
+    model: bool  # the model drafter's draft (else a cache prefix)
 
 
 @dataclass(slots=True)
@@ -34,5 +39,5 @@ class RequestState:
     workload: str
     speculate: bool
     hindsight: Hindsight
-    model_draft: ModelDraftRecord | None = None
+    verifying: VerifiedDraft | None = None
     records: dict[TrackedDraft, CacheDraftRecord] = field(default_factory=dict)  # drafts not yet labelled

@@ -1,16 +1,26 @@
 """The per-step runtime every engine calls: one call per engine step for the whole batch.
 
 In: the running requests (id, tokens sampled since the last step, prompt on first sight, tenant,
-workload, opt-out) and the requests that finished. Out: per request, the draft to verify and its
-source (cache, model drafter, or none), the gate's prediction and the tau it was held to.
+workload, opt-out) and the requests that finished. Out: per request, the draft to verify (a prefix
+of its cache draft, or the model drafter's draft of the step's length k) and its source (cache,
+model drafter, or none), the gate's prediction and the tau it was held to.
 
 Per step: each request's realised tokens go into the suffix cache and label the drafts they cover
 (hindsight); every speculating request gets one cache lookup; the features of all cache drafts form
-one matrix and the gate runs once over it; the decision is one vectorised comparison. Labelled
-events go onto a bounded queue and never wait for SQL.
+one matrix and the gate runs once over it (a survival curve per draft); the allocator then plans the
+whole step in one vectorised call (predictor.allocator), the model drafter's curves coming from its
+live per-workload estimate. Labelled events go onto a bounded queue and never wait for SQL.
+
+tau under the allocator: a request's automatic tau is its break-even expected accepted length
+(`Allocation.tau`: the length at which its whole cache draft pays at the step's rate). Overrides
+resolve against it; a fixed tau, or bounds that move it, hold the request to the binary decision
+(whole draft iff the predicted length beats tau, else the model draft or nothing). The plan shows
+the tau each request was held to; the events carry the automatic one, so the workload's tau
+history reflects the allocator, not a tenant's override.
 """
 from __future__ import annotations
 
+import logging
 import time
 from datetime import datetime, timezone
 from collections.abc import Callable, Sequence
@@ -19,9 +29,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from controller.core.decision import (CACHE, MODEL, NONE, OFF_CACHE, OFF_MODEL, SOURCE_NAMES, DecisionConfig, decide,
-                                      fallback_sources, rule_thresholds)
+                                      effective_rule, fallback_sources, rule_thresholds)
 from controller.core.events import DRAFTER_CACHE, DRAFTER_MODEL, EventQueue, LabelledEvent
-from controller.core.request_state import CacheDraftRecord, ModelDraftRecord, RequestState
+from controller.core.request_state import CacheDraftRecord, RequestState, VerifiedDraft
+from predictor.allocator import AUTO, FORCE_MODEL, FORCE_NONE, FULL_CACHE, NO_CACHE, allocate
 from predictor.cache_drafter import CacheDrafter, SuffixConfig
 from predictor.features import NUM_FEATURES, DraftContext, feature_matrix
 from predictor.hindsight import Hindsight, TrackedDraft
@@ -29,6 +40,8 @@ from predictor.mlp import GatePredictor
 from predictor.tokens import TokenClasses
 from predictor.traces import WORKLOADS
 from storage.overrides import OverrideSnapshot
+
+_log = logging.getLogger("hvd.runtime")
 
 
 class RequestInputError(ValueError):
@@ -49,11 +62,12 @@ class RequestInput:
 class StepPlan:
     req_ids: list[str]
     source: np.ndarray  # int8 per request: NONE, CACHE or MODEL
-    drafts: list[list[int]]  # the cache draft for CACHE rows, [] otherwise (the engine drafts MODEL rows)
-    predicted: np.ndarray  # float32, NaN where no cache draft was scored
-    tau: np.ndarray  # float32, NaN where no cache draft was scored
+    drafts: list[list[int]]  # CACHE rows: the cache draft cut to what is verified; [] otherwise (the engine drafts MODEL rows)
+    predicted: np.ndarray  # float32 expected accepted length of the whole cache draft, NaN where none was scored
+    tau: np.ndarray  # float32 the tau each request was held to, NaN where no cache draft was scored
     cache_len: np.ndarray  # int: length of the cache draft that was considered (0 if none)
-    cache_drafts: list[list[int]] = field(default_factory=list)  # every request's cache draft, verified or not
+    cache_drafts: list[list[int]] = field(default_factory=list)  # every request's whole cache draft, verified or not
+    model_k: int = 0  # the model draft length of the step (every MODEL row drafts k tokens); 0 without MODEL rows
 
     def rows(self, source: int) -> list[int]:
         return np.flatnonzero(self.source == source).tolist()
@@ -67,6 +81,27 @@ class RuntimeStats:
     decisions: dict[str, int] = field(default_factory=lambda: {"cache": 0, "model": 0, "none": 0})
     model_accepted: int = 0
     model_drafts: int = 0
+    # Verified drafts (cache prefixes and model drafts) as the engine counts them, from the tokens
+    # each request reports the step after.
+    verified_drafts: int = 0
+    verified_tokens: int = 0
+    verified_accepted: int = 0
+    accepted_count: dict[int, int] = field(default_factory=dict)  # verified drafts per number of tokens accepted
+    truncated: int = 0  # cache drafts verified shorter than the cache made them
+    model_k_steps: dict[int, int] = field(default_factory=dict)  # steps per model draft length
+    mixed_steps: int = 0  # steps verifying cache and model drafts side by side
+
+    def count_verified(self, draft_len: int, accepted: int) -> None:
+        self.verified_drafts += 1
+        self.verified_tokens += draft_len
+        self.verified_accepted += accepted
+        self.accepted_count[accepted] = self.accepted_count.get(accepted, 0) + 1
+
+    @property
+    def accepted_at(self) -> list[int]:
+        """[j]: verified drafts whose position j + 1 was accepted (as vLLM counts per position)."""
+        longest = max(self.accepted_count, default=0)
+        return [sum(c for a, c in self.accepted_count.items() if a > j) for j in range(longest)]
 
 
 class Runtime:
@@ -91,10 +126,14 @@ class Runtime:
         self.drafter = drafter_factory(suffix)
         self.requests: dict[str, RequestState] = {}
         self.stats = RuntimeStats()
-        # Live mean accepted length of the model drafter, per workload.
-        self.mu_e = {w: self.decision.prior_model_mean(w) for w in WORKLOADS}
+        # The model drafter's survival curve per workload, live from hindsight; its mean accepted
+        # length at the configured k is what the binary rule calls mu_e.
+        self.model_curves = self.decision.model_survival()
+        self.mu_e = {w: self.model_curves.mean_accepted(i) for i, w in enumerate(WORKLOADS)}
         self.controls = Controls()
         self._clock = clock
+        self._told_binary = False
+        self._choose_rule()
 
     def set_controls(self, controls: "Controls") -> None:
         """New learned corrections and overrides (from the control poller), used from the next step."""
@@ -103,6 +142,16 @@ class Runtime:
     def set_gate(self, gate: GatePredictor, version_id: int | None) -> None:
         """Swap the predictor between steps (a new champion); in-flight drafts keep their version."""
         self.gate, self.version_id = gate, version_id
+        self._choose_rule()
+
+    def _choose_rule(self) -> None:
+        """The rule this predictor serves with: a point-estimate version keeps the binary rule."""
+        self.rule = effective_rule(self.decision.rule, self.gate.kind)
+        if self.rule != self.decision.rule and not self._told_binary:
+            self._told_binary = True
+            _log.warning("predictor v%s is a point estimate (no survival curve): deciding with the binary rule "
+                         "instead of the %s; a survival predictor (hvd warmstart) brings it back",
+                         self.version_id, self.decision.rule)
 
     # ---------------------------------------------------------------- the step
     def step(self, inputs: Sequence[RequestInput], finished: Sequence[str] = ()) -> StepPlan:
@@ -115,37 +164,67 @@ class Runtime:
         speculating = self.decision.speculation_allowed(n)
         rows = _StepDrafts()
         main_row = np.full(n, -1, dtype=np.int64)  # the row of each request's draft at its current position
+        workload = np.zeros(n, dtype=np.int64)
         states = []
         for i, inp in enumerate(inputs):
             drafting = inp.speculate and speculating
             st = self._observe(inp, rows, shadow=drafting and self.shadow_drafts)
             states.append(st)
+            workload[i] = st.hindsight.workload
             if drafting:
                 main_row[i] = self._draft(st, rows)
         has_row = main_row >= 0
+        main = main_row[has_row]
         lengths = np.zeros(n, dtype=np.int64)
         predicted = np.full(n, np.nan, dtype=np.float32)
-        x, row_pred = self._predict(rows)
-        lengths[has_row] = rows.lengths()[main_row[has_row]]
-        predicted[has_row] = row_pred[main_row[has_row]]
+        allocating = self.rule == "allocator"
+        x, row_pred, row_curves = self._predict(rows, curves=allocating)
+        lengths[has_row] = rows.lengths()[main]
+        predicted[has_row] = row_pred[main]
         allowed = np.array([st.speculate for st in states], dtype=bool) & speculating
-        if self.decision.rule == "arctic":
-            plan_source, tau = self._decide_arctic(rows, main_row, lengths, allowed)
+        k = self.decision.model_draft_len
+        if allocating:
+            curves = np.zeros((n, row_curves.shape[1]), dtype=np.float32)
+            curves[has_row] = row_curves[main]
+            plan_source, verify_len, model_k, tau, auto_tau = self._allocate(states, workload, curves, predicted,
+                                                                             lengths, allowed)
         else:
-            plan_source, tau = self._decide(states, predicted, lengths, allowed)
+            if self.rule == "arctic":
+                plan_source, tau = self._decide_arctic(rows, main_row, lengths, allowed)
+            else:
+                plan_source, tau = self._decide(states, predicted, lengths, allowed)
+            model_k = k if (plan_source == MODEL).any() else 0
+            verify_len = np.where(plan_source == CACHE, lengths, np.where(plan_source == MODEL, k, 0))
+            auto_tau = tau
+        is_cache = plan_source == CACHE
+        source = plan_source.tolist()
+        cut = np.where(is_cache, verify_len, 0).tolist()  # cache tokens verified per request
+        row_of, held = main_row.tolist(), auto_tau.tolist()
         decision = ["shadow"] * len(rows)
         row_tau = [float("nan")] * len(rows)
+        row_verified: list[int | None] = [None] * len(rows)
         for i in np.flatnonzero(has_row).tolist():
-            decision[main_row[i]], row_tau[main_row[i]] = SOURCE_NAMES[int(plan_source[i])], float(tau[i])
-        self._record(rows, x, row_pred, decision, row_tau)
-        for i, st in enumerate(states):
-            self.stats.decisions[SOURCE_NAMES[int(plan_source[i])]] += 1
-            if plan_source[i] == MODEL:
-                st.model_draft = ModelDraftRecord(st.hindsight.output_len, self.decision.model_draft_len)
-        cache_drafts = [rows.contexts[r].draft.token_ids if r >= 0 else [] for r in main_row.tolist()]
-        drafts = [cache_drafts[i] if plan_source[i] == CACHE else [] for i in range(n)]
+            decision[row_of[i]], row_tau[row_of[i]] = SOURCE_NAMES[source[i]], held[i]
+            if source[i] == CACHE:
+                row_verified[row_of[i]] = cut[i]
+        self._record(rows, x, row_pred, decision, row_tau, row_verified)
+        stats = self.stats
+        for st, src, c in zip(states, source, cut):
+            stats.decisions[SOURCE_NAMES[src]] += 1
+            if src == MODEL:
+                st.verifying = VerifiedDraft(st.hindsight.output_len, model_k, True)
+            elif src == CACHE:
+                st.verifying = VerifiedDraft(st.hindsight.output_len, c, False)
+        if model_k:
+            stats.model_k_steps[model_k] = stats.model_k_steps.get(model_k, 0) + 1
+            if is_cache.any():
+                stats.mixed_steps += 1
+        stats.truncated += int(np.count_nonzero(is_cache & (verify_len < lengths)))
+        cache_drafts = [rows.contexts[r].draft.token_ids if r >= 0 else [] for r in row_of]
+        drafts = [d[:c] if c else [] for d, c in zip(cache_drafts, cut)]
         self._report_emitted()
-        return StepPlan([st.req_id for st in states], plan_source, drafts, predicted, tau, lengths, cache_drafts)
+        return StepPlan([st.req_id for st in states], plan_source, drafts, predicted, tau, lengths, cache_drafts,
+                        model_k)
 
     def finish(self, req_id: str, last_tokens: Sequence[int] | np.ndarray = ()) -> None:
         """The request ended (after emitting `last_tokens`, if the engine has not reported them):
@@ -157,11 +236,11 @@ class Runtime:
             rows = _StepDrafts()
             self._observe(RequestInput(req_id, last_tokens, None, st.tenant, st.workload, st.speculate), rows,
                           shadow=self.shadow_drafts and st.speculate)
-            x, row_pred = self._predict(rows)
+            x, row_pred, _ = self._predict(rows)
             self._record(rows, x, row_pred, ["shadow"] * len(rows), [float("nan")] * len(rows))
             self._report_emitted()
         del self.requests[req_id]
-        st.model_draft = None  # planned after the last token: never verified
+        st.verifying = None  # planned after the last token: never verified
         for tracked, label in st.hindsight.finish():
             record = st.records.pop(tracked)
             if record.position < st.hindsight.output_len:  # a draft made after the last token says nothing
@@ -203,10 +282,13 @@ class Runtime:
             tally = self._emitted.setdefault((st.tenant, st.workload), [0, 0])
             tally[0] += len(new)
             tally[1] += 1
-        if st.model_draft is not None:
-            accepted = max(0, min(len(new) - 1, st.model_draft.draft_len))
-            self._emit_model(st, st.model_draft, accepted)
-            st.model_draft = None
+        if st.verifying is not None:
+            v = st.verifying
+            accepted = max(0, min(len(new) - 1, v.draft_len))
+            self.stats.count_verified(v.draft_len, accepted)
+            if v.model:
+                self._emit_model(st, v, accepted)
+            st.verifying = None
         chunks = [new[j : j + 1] for j in range(len(new))] if shadow and len(new) > 1 else [new]
         for j, chunk in enumerate(chunks):
             if len(chunk):
@@ -229,29 +311,88 @@ class Runtime:
             return -1
         return rows.add(st, st.hindsight.draft_context(d), st.hindsight.add(d))
 
-    def _predict(self, rows: "_StepDrafts") -> tuple[np.ndarray, np.ndarray]:
-        """The feature matrix of the step's drafts and the gate's predictions, one call for all."""
+    def _predict(self, rows: "_StepDrafts", curves: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """The feature matrix of the step's drafts and the gate's predictions, one call for all;
+        with `curves`, each draft's survival curve too (the prediction is then its sum)."""
         if not len(rows):
-            return np.zeros((0, NUM_FEATURES), dtype=np.float32), np.zeros(0, dtype=np.float32)
+            x = np.zeros((0, NUM_FEATURES), dtype=np.float32)
+            return x, np.zeros(0, dtype=np.float32), (self.gate.survival(x) if curves else None)
         x = feature_matrix(rows.contexts, self.classes)
-        return x, self.gate.predict(x)
+        if curves:
+            s = self.gate.survival(x)
+            return x, s.sum(axis=1), s
+        return x, self.gate.predict(x), None
 
     def _record(self, rows: "_StepDrafts", x: np.ndarray, predicted: np.ndarray, decision: list[str],
-                tau: list[float]) -> None:
+                tau: list[float], verified: list[int | None] | None = None) -> None:
         """Each draft of the step gets its record, complete; the drafts this step both made and
         labelled go out now."""
         for r, (st, tracked) in enumerate(rows.owners):
             st.records[tracked] = CacheDraftRecord(tracked.position, len(tracked.tokens), decision[r],
-                                                   float(predicted[r]), tau[r], self.version_id, x[r].tobytes())
+                                                   float(predicted[r]), tau[r], self.version_id, x[r].tobytes(),
+                                                   None if verified is None else verified[r])
         self.stats.cache_drafts += len(rows)
         for st, tracked, label in rows.labelled:
             self._emit_cache(st, st.records.pop(tracked), label)
 
+    def _allocate(self, states: list[RequestState], workload: np.ndarray, curves: np.ndarray, predicted: np.ndarray,
+                  lengths: np.ndarray, allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, np.ndarray, np.ndarray]:
+        """The allocator's plan for the step: (source, tokens verified per request, the model draft
+        length k, the tau each request was held to, its automatic tau).
+
+        Constraints per request: opted out or backed off -> nothing; the model drafter's curve has
+        no columns without a model fallback (or in a cache-only back-off); a fixed tau (the
+        configuration's, or an override's), or bounds that move the automatic tau, -> the binary
+        decision with that tau; hybrid off -> always the model draft or always the whole cache
+        draft. The overrides resolve against the break-even tau of a first plan; if any of them
+        changes a request's constraint, the step is planned again with it."""
+        n = len(states)
+        d = self.decision
+        has = lengths > 0
+        model = self.model_curves.curves(workload) if d.model_drafting(n) else np.zeros((n, 0))
+        if d.fixed_tau is None:
+            mode = np.full(n, AUTO, dtype=np.int8)
+        else:
+            with np.errstate(invalid="ignore"):
+                mode = np.where(has & (predicted > d.fixed_tau), FULL_CACHE, NO_CACHE).astype(np.int8)
+        mode[~allowed] = FORCE_NONE
+        plan = allocate(curves, lengths, model, d.cost, mode, batch=n)
+        auto = plan.tau if d.fixed_tau is None else np.full(n, d.fixed_tau)
+        held = auto.copy()
+        if len(self.controls.overrides) and self._apply_overrides(states, auto, predicted, has, allowed, mode, held):
+            plan = allocate(curves, lengths, model, d.cost, mode, batch=n)
+        tau = np.where(mode == AUTO, plan.tau, held)
+        return (plan.source, plan.length, plan.model_k, np.where(has, tau, np.nan).astype(np.float32),
+                np.where(has, auto, np.nan))
+
+    def _apply_overrides(self, states: list[RequestState], auto: np.ndarray, predicted: np.ndarray, has: np.ndarray,
+                         allowed: np.ndarray, mode: np.ndarray, held: np.ndarray) -> bool:
+        """Each allowed request's overrides (precedence tenant+workload > tenant > workload auto >
+        default) turned into its allocator constraint, in place; True if any changed."""
+        now = datetime.now(timezone.utc)
+        resolve = self.controls.overrides.resolve
+        auto_taus = auto.tolist()
+        changed = False
+        for i in np.flatnonzero(allowed).tolist():
+            st = states[i]
+            eff = resolve(st.tenant, st.workload, auto_taus[i], auto_taus[i], now)
+            if eff.mode == "off_model":
+                mode[i] = FORCE_MODEL
+            elif eff.mode == "off_cache":
+                mode[i] = FULL_CACHE if has[i] else FORCE_NONE
+            elif eff.tau is not None and (eff.mode == "fixed" or eff.tau != auto_taus[i]):
+                held[i] = eff.tau
+                mode[i] = FULL_CACHE if has[i] and predicted[i] > eff.tau else NO_CACHE
+            else:
+                continue
+            changed = True
+        return changed
+
     def _decide(self, states: list[RequestState], predicted: np.ndarray, lengths: np.ndarray,
                 allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """tau per request: the goodput rule with its workload's live model-drafter estimate, plus
-        the learned correction of that workload, then the tenant's overrides (precedence
-        tenant+workload > tenant > workload auto > default); then the decision."""
+        """The binary rule. tau per request: the goodput rule with its workload's live model-drafter
+        estimate, plus the learned correction of that workload, then the tenant's overrides
+        (precedence tenant+workload > tenant > workload auto > default); then the decision."""
         n = len(states)
         controls = self.controls
         mu = np.array([self.mu_e[st.workload] for st in states], dtype=np.float64)
@@ -289,7 +430,8 @@ class Runtime:
 
     def _emit_cache(self, st: RequestState, d: CacheDraftRecord, label: int) -> None:
         self.events.put(LabelledEvent(self._clock(), st.tenant, st.workload, st.req_id, d.position, DRAFTER_CACHE,
-                                      d.decision, d.draft_len, label, d.predicted, d.tau, d.version_id, d.features))
+                                      d.decision, d.draft_len, label, d.predicted, d.tau, d.version_id, d.features,
+                                      d.verified_len))
 
     def _report_emitted(self) -> None:
         if self._emitted and self.stats_sink is not None:
@@ -298,10 +440,12 @@ class Runtime:
                 self.stats_sink.add_steps(now, tenant, workload, self.version_id or 0, tokens, cycles)
         self._emitted = {}
 
-    def _emit_model(self, st: RequestState, m: ModelDraftRecord, accepted: int) -> None:
+    def _emit_model(self, st: RequestState, m: VerifiedDraft, accepted: int) -> None:
         self.stats.model_drafts += 1
         self.stats.model_accepted += accepted
-        self.mu_e[st.workload] = self.decision.update_model_mean(self.mu_e[st.workload], accepted)
+        w = st.hindsight.workload
+        self.model_curves.observe(w, m.draft_len, accepted)
+        self.mu_e[st.workload] = self.model_curves.mean_accepted(w)
         self.events.put(LabelledEvent(self._clock(), st.tenant, st.workload, st.req_id, m.position, DRAFTER_MODEL,
                                       "model", m.draft_len, accepted, None, None, self.version_id, None))
 

@@ -2,9 +2,10 @@
 
 It drives the same Runtime an engine plugin drives: each step it reports the tokens the previous
 step emitted, receives the plan, and "verifies" it greedily against the recorded output: a cache
-draft accepts its longest common prefix with the true continuation; a model draft accepts what a
-simulated EAGLE3 drafter would (seeded, per request and position); every step emits accepted + 1
-tokens. Requests of one deployment run `batch_size` at a time in arrival order.
+draft (cut to the length the plan verifies) accepts its longest common prefix with the true
+continuation; a model draft of the step's length k accepts what a simulated EAGLE3 drafter would
+(seeded, per request and position), at most k; every step emits accepted + 1 tokens. Requests of
+one deployment run `batch_size` at a time in arrival order.
 """
 from __future__ import annotations
 
@@ -65,8 +66,8 @@ def run_replay(runtime: Runtime, records: Sequence[TraceRecord], tokenizer: Trac
                oracle: bool = False) -> ReplayRun:
     """Serve `records` through `runtime` deployment by deployment; returns cycles and tokens per workload.
 
-    oracle=True verifies by perfect knowledge of each cache draft's accepted length against the
-    plan's tau (see `_oracle_sources`): the upper bound for this serving setting (batching included)."""
+    oracle=True verifies by perfect knowledge of each whole cache draft's accepted length against
+    the plan's tau (see `_oracle_sources`): the binary oracle gate of this serving setting."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     run = ReplayRun()
@@ -98,19 +99,23 @@ def run_replay(runtime: Runtime, records: Sequence[TraceRecord], tokenizer: Trac
                 x.started = True
             plan = runtime.step(inputs)
             run.steps += 1
-            source = _oracle_sources(plan, live) if oracle else plan.source
+            if oracle:
+                source, drafts = _oracle_sources(plan, live), plan.cache_drafts
+                k = plan.model_k or runtime.decision.model_draft_len
+            else:
+                source, drafts, k = plan.source, plan.drafts, plan.model_k
             for i, x in enumerate(live):
                 t = x.emitted
                 tally = run.by_workload[x.record.workload]
                 if source[i] == CACHE:
-                    draft = plan.cache_drafts[i]
+                    draft = drafts[i]
                     accepted = lcp(draft, x.out[t : t + len(draft)].tolist())
                     tally.cache_cycles += 1
                     tally.wasted += len(draft) - accepted
                 elif source[i] == MODEL:
-                    accepted = min(model_draft_accepted(drafter, seed, x.record.trace_id, t, x.record.workload), runtime.decision.model_draft_len)
+                    accepted = min(model_draft_accepted(drafter, seed, x.record.trace_id, t, x.record.workload), k)
                     tally.model_cycles += 1
-                    tally.wasted += runtime.decision.model_draft_len - accepted
+                    tally.wasted += k - accepted
                 else:
                     accepted = 0
                 emit = min(accepted + 1, len(x.out) - t)
@@ -126,9 +131,9 @@ def run_replay(runtime: Runtime, records: Sequence[TraceRecord], tokenizer: Trac
 
 
 def _oracle_sources(plan: StepPlan, live: list[_Live]) -> np.ndarray:
-    """What the oracle verifies instead of the plan: a cache draft iff its true accepted length beats
-    the plan's tau; a cache draft the plan chose but the oracle rejects gives way to the model
-    drafter; elsewhere the plan's choice stands.
+    """What the oracle verifies instead of the plan: a whole cache draft iff its true accepted
+    length beats the plan's tau; a cache draft the plan chose but the oracle rejects gives way to
+    the model drafter (the step's k, else the configured one); elsewhere the plan's choice stands.
 
     The runtime is not told: its events and its live model-drafter mean follow its own plan (a step
     it planned for the model drafter counts what the step accepted, whoever drafted it)."""

@@ -56,13 +56,16 @@ class HybridState:
         )
         self.settings = settings
         self._meta: dict[str, RequestMetadata] = {}  # per running request, parsed when first seen
-        # Every replica follows the control plane; the one holding the learner lock also learns.
+        # Every replica follows the control plane (overrides apply from the first step: one poll
+        # before serving); the one holding the learner lock also learns.
         self.stack = ServiceStack.build(engine, decision, tokenizer.classes,
                                         replica=f"{socket.gethostname()}-{os.getpid()}", learn=settings.learn,
-                                        suffix=suffix).start()
+                                        suffix=suffix)
+        self.stack.poller.poll_once()
+        self.stack.start()
         self.runtime = self.stack.runtime
-        log.info("HVD hybrid drafter on: predictor v%s, fallback %s, K_MAX %d", self.runtime.version_id, fallback,
-                 self.k_max)
+        log.info("HVD hybrid drafter on: predictor v%s, rule %s, fallback %s, K_MAX %d", self.runtime.version_id,
+                 self.runtime.rule, fallback, self.k_max)
 
     def _metadata(self, runner, req_id: str) -> RequestMetadata:
         """The request's metadata, parsed once. vLLM refuses bad values when it builds the
@@ -104,16 +107,16 @@ class HybridState:
         if self.run_eagle and (wanted or (self.settings.eagle_warm and (plan.source == CACHE).any())):
             # Without a model draft this step EAGLE still runs one position: that writes the head's
             # KV cache for the tokens this step verified, which its later drafts attend to.
-            k_e = self.runtime.decision.model_draft_len if wanted else 1
+            k_e = plan.model_k if wanted else 1
             sched = dataclasses.replace(scheduler_output, num_spec_tokens_to_schedule=k_e)
             eagle = original(runner, sched, sampled_token_ids, *args, **kwargs)
             eagle_rows = eagle.tolist() if hasattr(eagle, "tolist") else [list(r) for r in eagle]
         out: list[list[int]] = [[] for _ in req_ids]
         for j, i in enumerate(rows):
-            if plan.source[j] == CACHE:
+            if plan.source[j] == CACHE:  # the prefix the plan verifies
                 out[i] = plan.drafts[j][: self.k_max]
             elif plan.source[j] == MODEL and eagle_rows is not None:
-                out[i] = [int(t) for t in eagle_rows[i][: self.runtime.decision.model_draft_len]]
+                out[i] = [int(t) for t in eagle_rows[i][: plan.model_k]]
         return out
 
 

@@ -4,8 +4,9 @@ Every replica's writer puts its labelled events in `decision_events`; the leader
 database: a PostgreSQL advisory lock, or a lease row on SQLite) reads them in id order, lets the
 online learner shadow-score and learn, records drift, promotes the challenger when it has earned it
 (a new predictor version with parent, metrics and reason, and the `champion` alias moved), and
-keeps tau per workload (tau history). Replicas pick all of that up through their control pollers.
-A follower keeps trying for the lock, so a dead leader is replaced.
+keeps tau per workload (tau history: the allocator's break-even tau, or the binary rule's).
+Replicas pick all of that up through their control pollers. A follower keeps trying for the lock,
+so a dead leader is replaced.
 """
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from datetime import datetime, timezone
 import numpy as np
 from sqlalchemy import Engine
 
-from controller.core.decision import DecisionConfig
+from controller.core.decision import DecisionConfig, effective_rule
 from controller.core.tau_tuner import TauTuner
 from controller.services.lifecycle import BackgroundService
-from predictor.champion import CHAMPION, load_gate, promote
+from predictor.champion import CHAMPION, load_gate, promote, version_kind
 from predictor.goodput import model_step_ms
 from predictor.online import LearnerConfig, OnlineLearner, batch_from_events
 from predictor.promotion import ShadowScore
@@ -72,9 +73,14 @@ class LearnerService(BackgroundService):
         if not rows:
             return 0
         self.stats.cursor = rows[-1].id
+        decided_workload, decided_tau = [], []
         for r in rows:
             if r.drafter == "model":
-                self.tuner.observe_model(r.workload, r.accepted)
+                self.tuner.observe_model(r.workload, r.draft_len, r.accepted)
+            elif r.decision != "shadow" and r.tau is not None:
+                decided_workload.append(WORKLOADS.index(r.workload))
+                decided_tau.append(r.tau)
+        self.tuner.observe_break_even(np.array(decided_workload, dtype=np.int64), np.array(decided_tau))
         batch = batch_from_events(rows, self.tuner.thresholds)
         now = datetime.now(timezone.utc)
         if len(batch.label):
@@ -88,7 +94,8 @@ class LearnerService(BackgroundService):
                     add_drift_event(s, at=now, workload=d.workload, detector="adwin",
                                     detail={"events_seen": d.events_seen, "error_mean": round(d.error_mean, 4)},
                                     predictor_version_id=self.champion_id)
-                for c in self.tuner.changes("drift" if result.drifts else "live estimates"):
+                rule = effective_rule(self.decision.rule, self.learner.champion.kind)
+                for c in self.tuner.changes("drift" if result.drifts else "live estimates", rule):
                     add_tau_history(s, at=now, workload=c.workload, tau=c.tau, rule_tau=c.rule_tau,
                                     correction=c.correction, model_mean_accepted=c.mu_e, reason=c.reason,
                                     replica=self.replica)
@@ -107,7 +114,7 @@ class LearnerService(BackgroundService):
         challenger = self.learner.challenger()
         with session_scope(self.engine) as s:
             version = create_version(
-                s, blob=challenger.to_bytes(), kind="mlp", feature_schema_hash=challenger.schema_hash,
+                s, blob=challenger.to_bytes(), kind=version_kind(challenger), feature_schema_hash=challenger.schema_hash,
                 metrics={"shadow": score.to_json()},
                 training_summary={"online": {"events_seen": self.learner.events_seen, "updates": self.learner.updates,
                                              "seed": self.config.seed}},

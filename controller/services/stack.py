@@ -28,9 +28,8 @@ from controller.services.stats_writer import StatsWriter
 from predictor.cache_drafter import SuffixConfig
 from predictor.champion import load_gate
 from predictor.online import LearnerConfig
-from predictor.profiles import CostProfile, DrafterProfile, chain_mean
+from predictor.profiles import CostProfile, DrafterProfile
 from predictor.tokens import TokenClasses
-from predictor.traces import WORKLOADS
 from storage.engine import session_scope
 from storage.events import record_health
 from storage.leader import make_leader_lock
@@ -42,14 +41,10 @@ KEEP_EVENTS = 2_000_000  # retention limit of the raw decision events
 
 def decision_config(drafter: DrafterProfile, cost: CostProfile, model_draft_len: int | None = None,
                     **options) -> DecisionConfig:
-    """The decision rule's configuration, with the one choice of priors for the model drafter: the
-    profile's chain mean at the draft length used (`model_draft_len`, else the profile's), overall
-    and per workload."""
-    k_e = model_draft_len or drafter.draft_len
-    return DecisionConfig(
-        model_draft_len=k_e, cost=cost, initial_model_accepted=chain_mean(drafter.acceptance, k_e),
-        initial_model_accepted_by_workload={w: chain_mean(drafter.acceptance_for(w), k_e) for w in WORKLOADS},
-        **options)
+    """The decision rule's configuration, with the one choice of prior for the model drafter: the
+    profile's survival curve per workload, up to the longest model draft (`model_draft_len`, else
+    the profile's)."""
+    return DecisionConfig(model_draft_len=model_draft_len or drafter.draft_len, cost=cost, drafter=drafter, **options)
 
 
 @dataclass
