@@ -48,7 +48,7 @@ from controller.engines import vllm_engine as ve  # noqa: E402
 from eagle3_training.corpus import held_out_prompts  # noqa: E402
 
 BENCH_WORKLOADS = ("agentic", "code_edit", "sql")
-HVD_FAMILY = ("hvd", "hvd-binary", "hvd-none")
+HYBRID_METHODS = ("hvd", "hvd-binary", "hvd-none")
 SERVER_METHODS = ("none", "ngram", "suffix", "eagle3", "hvd")
 PRELOAD_CHOICES = {"on": (True,), "off": (False,), "both": (True, False)}
 # Targets from the allocator issue: HVD against the best non-HVD method's tokens/s, per batch size.
@@ -232,7 +232,7 @@ def report(title: str, results: dict[tuple[str, bool], list[SpecRun]], methods: 
 
 
 def _targets(med: dict[str, dict[str, float]], size: int) -> None:
-    others = {m: v["tokens_per_s"] for m, v in med.items() if m not in HVD_FAMILY}  # arctic counts as other
+    others = {m: v["tokens_per_s"] for m, v in med.items() if m not in HYBRID_METHODS}  # arctic counts as other
     if "hvd" not in med or not others:
         return
     best = max(others, key=others.get)
