@@ -87,3 +87,25 @@ def _keep_main_module() -> Iterator[None]:
     yield
     if main is not None:
         sys.modules["__main__"] = main
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from predictor.tokens import TraceTokenizer
+
+    return TraceTokenizer()
+
+
+@pytest.fixture(scope="module")
+def records():
+    """Three bundled traces of every source: each source's prompts and outputs, quickly."""
+    from predictor.traces import bundled_traces_path, load_traces
+
+    recs, _ = load_traces([bundled_traces_path()])
+    seen: dict[str, int] = {}
+    out = []
+    for r in recs:
+        if seen.get(r.source, 0) < 3:
+            seen[r.source] = seen.get(r.source, 0) + 1
+            out.append(r)
+    return out

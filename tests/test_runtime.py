@@ -17,30 +17,11 @@ from predictor.labels import lcp
 from predictor.mlp import MLP, SURVIVAL_K, GatePredictor
 from predictor.profiles import chain_acceptance, drafter_profiles
 from predictor.trace_replay import replay
-from predictor.tokens import TraceTokenizer
-from predictor.traces import bundled_traces_path, load_traces
 from storage.engine import make_engine, session_scope
 from storage.events import count_events, list_events
 from storage.migrate import upgrade
 
 DRAFTER = drafter_profiles()["eagle3-1.75"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> TraceTokenizer:
-    return TraceTokenizer()
-
-
-@pytest.fixture(scope="module")
-def records():
-    recs, _ = load_traces([bundled_traces_path()])
-    seen: dict[str, int] = {}
-    out = []
-    for r in recs:
-        if seen.get(r.source, 0) < 3:
-            seen[r.source] = seen.get(r.source, 0) + 1
-            out.append(r)
-    return out
 
 
 @pytest.fixture(scope="module")

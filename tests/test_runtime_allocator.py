@@ -24,8 +24,7 @@ from predictor.labels import lcp
 from predictor.mlp import MLP, SURVIVAL_K, GatePredictor
 from predictor.online import LearnerConfig
 from predictor.profiles import cost_profiles, drafter_profiles
-from predictor.tokens import TraceTokenizer
-from predictor.traces import WORKLOADS, bundled_traces_path, load_traces
+from predictor.traces import WORKLOADS
 from storage.engine import make_engine, session_scope
 from storage.events import events_after
 from storage.migrate import upgrade
@@ -35,23 +34,6 @@ from storage.overrides import ActiveOverride, OverrideSnapshot
 DRAFTER = drafter_profiles()["eagle3-1.75"]
 CPU, GPU = cost_profiles()["cpu-smollm2"], cost_profiles()["gpu-8b"]
 PROMPT = list(range(100, 140)) * 3  # repeats: after token 100 the cache drafts 101.. (12 tokens)
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> TraceTokenizer:
-    return TraceTokenizer()
-
-
-@pytest.fixture(scope="module")
-def records():
-    recs, _ = load_traces([bundled_traces_path()])
-    seen: dict[str, int] = {}
-    out = []
-    for r in recs:
-        if seen.get(r.source, 0) < 3:
-            seen[r.source] = seen.get(r.source, 0) + 1
-            out.append(r)
-    return out
 
 
 def survival_gate(certain: int) -> GatePredictor:
