@@ -109,3 +109,25 @@ def records():
             seen[r.source] = seen.get(r.source, 0) + 1
             out.append(r)
     return out
+
+
+@pytest.fixture
+def record_drafts(monkeypatch):
+    """Spy on the suffix cache: `record_drafts(runtime)` returns a dict, filled as the runtime
+    drafts, of every non-empty cache draft by (request id, output position)."""
+    from predictor.cache_drafter import CacheDrafter
+
+    def start(runtime) -> dict[tuple[str, int], list[int]]:
+        drafts: dict[tuple[str, int], list[int]] = {}
+        original = CacheDrafter.draft
+
+        def spy(self, req_id, context, max_spec_tokens=None):
+            d = original(self, req_id, context, max_spec_tokens)
+            if d.length:
+                drafts[(req_id, len(context) - runtime.requests[req_id].hindsight.prompt_len)] = d.token_ids
+            return d
+
+        monkeypatch.setattr(CacheDrafter, "draft", spy)
+        return drafts
+
+    return start

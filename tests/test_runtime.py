@@ -11,7 +11,6 @@ from controller.services.event_writer import EventWriter
 from controller.core.events import EventQueue, LabelledEvent
 from controller.engines.trace_engine import run_replay
 from controller.core.runtime import RequestInput, Runtime, RequestInputError
-from predictor.cache_drafter import CacheDrafter
 from predictor.features import FEATURE_NAMES, NUM_FEATURES, schema_hash
 from predictor.labels import lcp
 from predictor.mlp import MLP, SURVIVAL_K, GatePredictor
@@ -66,20 +65,11 @@ def test_runtime_reproduces_dense_replay_labels_and_features(records, tokenizer,
         assert runtime.stats.decisions["cache"] < len(events)  # multi-token steps: shadow drafts in between
 
 
-def test_hindsight_labels_with_batching_are_exact_lcps(records, tokenizer, gate, monkeypatch):
+def test_hindsight_labels_with_batching_are_exact_lcps(records, tokenizer, gate, record_drafts):
     """Interleaved requests (batch 4), real decisions: every cache draft's label is its LCP with
     the true continuation, whether or not it was verified."""
     runtime = Runtime(match_len_gate(), tokenizer.classes, DecisionConfig(fixed_tau=8.0))
-    drafts: dict[tuple[str, int], list[int]] = {}
-    original = CacheDrafter.draft
-
-    def spy(self, req_id, context, max_spec_tokens=None):
-        d = original(self, req_id, context, max_spec_tokens)
-        if d.length:
-            drafts[(req_id, len(context) - runtime.requests[req_id].hindsight.prompt_len)] = d.token_ids
-        return d
-
-    monkeypatch.setattr(CacheDrafter, "draft", spy)
+    drafts = record_drafts(runtime)
     run = run_replay(runtime, records, tokenizer, DRAFTER, batch_size=4)
     outputs = {r.trace_id: tokenizer.encode_output(r.output).tolist() for r in records}
     events = drain(runtime.events)

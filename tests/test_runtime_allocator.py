@@ -17,7 +17,6 @@ from controller.core.tau_tuner import TauTuner
 from controller.engines.trace_engine import run_replay
 from controller.services.event_writer import EventWriter
 from controller.services.learner_service import LearnerService
-from predictor.cache_drafter import CacheDrafter
 from predictor.champion import store_champion
 from predictor.features import FEATURE_NAMES, NUM_FEATURES, schema_hash
 from predictor.labels import lcp
@@ -229,23 +228,14 @@ def test_replay_verifies_the_truncated_drafts(records, tokenizer):
     assert 0 < total.wasted <= wasted <= total.wasted + len(records)
 
 
-def test_labels_and_the_model_drafters_curve_follow_hindsight(records, tokenizer, monkeypatch):
+def test_labels_and_the_model_drafters_curve_follow_hindsight(records, tokenizer, record_drafts):
     """Interleaved requests (batch 4), allocator decisions with truncation and varying k: every cache
     draft's label is the LCP of the WHOLE draft with the true continuation; every model draft's event
     has the step's k; the runtime's model-drafter curves are exactly a DrafterSurvival fed those
     events in order, and the tau tuner fed the same events has the same mean accepted length."""
     decision = DecisionConfig(cost=CPU)
     runtime = Runtime(random_survival_gate(), tokenizer.classes, decision)
-    drafts: dict[tuple[str, int], list[int]] = {}
-    original = CacheDrafter.draft
-
-    def spy(self, req_id, context, max_spec_tokens=None):
-        d = original(self, req_id, context, max_spec_tokens)
-        if d.length:
-            drafts[(req_id, len(context) - runtime.requests[req_id].hindsight.prompt_len)] = d.token_ids
-        return d
-
-    monkeypatch.setattr(CacheDrafter, "draft", spy)
+    drafts = record_drafts(runtime)
     run = run_replay(runtime, records, tokenizer, DRAFTER, batch_size=4)
     outputs = {r.trace_id: tokenizer.encode_output(r.output).tolist() for r in records}
     events = drain(runtime.events)
