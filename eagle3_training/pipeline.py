@@ -162,7 +162,7 @@ def check_in_vllm(cfg: PipelineConfig, held, provenance: dict) -> dict:
     return provenance
 
 
-def run(cfg: PipelineConfig) -> dict:
+def run(cfg: PipelineConfig, answers_only: bool = False) -> dict:
     from eagle3_training.hidden_states import assemble, extract
 
     began = time.time()
@@ -170,6 +170,11 @@ def run(cfg: PipelineConfig) -> dict:
     train, held = on_policy_samples(cfg)
     if not train or not held:
         raise RuntimeError(f"no samples generated (train {len(train)}, held out {len(held)})")
+    if answers_only:
+        tokens = sum(len(s.output_ids) for s in train)
+        _log(f"answers done: {len(train)} training samples ({tokens} answer tokens), {len(held)} held out; "
+             "stopping before the hidden states (--answers-only)")
+        return {"train_samples": len(train), "train_answer_tokens": tokens, "held_out_samples": len(held)}
     train_rows = extract(train, cfg.target, cfg.work / "hs_train", cfg.layers, cfg.context_tokens, log=_log)
     held_rows = extract(held, cfg.target, cfg.work / "hs_held_out", cfg.layers, cfg.context_tokens, log=_log)
     data = cfg.work / "data"
@@ -227,6 +232,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--answers", type=Path, default=d.answers,
                    help="answers archive restored before generating (default %(default)s; pack one with "
                         "python -m eagle3_training.answers_archive)")
+    p.add_argument("--answers-only", action="store_true",
+                   help="stop once the answers are generated (pack them with eagle3_training.answers_archive)")
     a = p.parse_args(argv)
     for name in ("tokens", "held_out_tokens", "epochs", "max_new_tokens", "batch", "shard_prompts"):
         if getattr(a, name) < 1:
@@ -235,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--lr must be in (0, 1), got {a.lr}")
     run(PipelineConfig(work=a.work, out=a.out, tokens=a.tokens, held_out_tokens=a.held_out_tokens, epochs=a.epochs,
                        lr=a.lr, seed=a.seed, max_steps=a.max_steps, max_new_tokens=a.max_new_tokens,
-                       batch=a.batch, shard_prompts=a.shard_prompts, answers=a.answers))
+                       batch=a.batch, shard_prompts=a.shard_prompts, answers=a.answers), answers_only=a.answers_only)
 
 
 if __name__ == "__main__":

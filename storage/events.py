@@ -52,6 +52,26 @@ def insert_events(session: Session, rows: Sequence[dict[str, Any]]) -> int:
     return len(rows)
 
 
+def record_receipt(session: Session, writer: str, first_seq: int, rows: int) -> None:
+    """Note, in the transaction that inserts them, that `writer`'s chunk starting at `first_seq` is
+    stored (one row per writer, replaced each time)."""
+    from storage.models import EventReceipt, utcnow
+
+    table = EventReceipt.__table__
+    values = {"first_seq": first_seq, "rows": rows, "at": utcnow()}
+    updated = session.connection().execute(table.update().where(table.c.writer == writer).values(**values))
+    if not updated.rowcount:
+        session.connection().execute(insert(table).values(writer=writer, **values))
+
+
+def chunk_committed(session: Session, writer: str, first_seq: int) -> bool:
+    """Whether `writer`'s last committed chunk is the one starting at `first_seq`: the answer to a
+    commit whose outcome the connection took with it (a writer has one chunk in flight at a time)."""
+    from storage.models import EventReceipt
+
+    return session.scalar(select(EventReceipt.first_seq).where(EventReceipt.writer == writer)) == first_seq
+
+
 def event_json(row: dict[str, Any]) -> str:
     """``row`` as ASCII-only JSON (NUL and lone surrogates escaped, bytes as hex, times ISO):
     text any database and any file can hold, whatever the row contained."""

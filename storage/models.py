@@ -9,6 +9,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     DateTime,
     Float,
     ForeignKey,
@@ -161,6 +162,19 @@ class DeadLetterEvent(Base):
     replica: Mapped[str | None] = mapped_column(Text, nullable=True)
     reason: Mapped[str] = mapped_column(Text, nullable=False)
     event: Mapped[str] = mapped_column(Text, nullable=False)
+
+
+class EventReceipt(Base):
+    """An event writer's last committed chunk, written in that chunk's transaction. When a commit's
+    answer is lost with the connection, the writer looks here before retrying: the chunk is in the
+    database iff this row names it, so nothing is stored twice."""
+
+    __tablename__ = "event_receipts"
+
+    writer: Mapped[str] = mapped_column(String(40), primary_key=True)
+    first_seq: Mapped[int] = mapped_column(BigInteger, nullable=False)  # the writer's sequence number of its first event
+    rows: Mapped[int] = mapped_column(Integer, nullable=False)
+    at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, default=utcnow)
 
 
 class TauOverride(Base):

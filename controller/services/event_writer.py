@@ -11,6 +11,11 @@ too, in a JSON-lines file under `spill_dir`) and counted, and the rest of their 
 rows storage.events.split_storable already knows to be unstorable are never sent, and a batch that
 still fails with a data error is bisected down to the rows that poison it.
 
+Nothing is stored twice either. A chunk's transaction also records a receipt (the writer's id and
+the sequence number of the chunk's first event, storage.events.record_receipt); when a write fails
+for a reason other than the rows, the database may have committed it and lost only the answer, so
+before writing again the writer asks whether its receipt names that chunk, and if so forgets it.
+
 `tally()` accounts for every event the runtime produced: written + dropped + dead-lettered + lost
 (still queued or buffered), exactly. The decode path never sees any of this: it only touches the
 queue, whose `put` never waits.
@@ -23,6 +28,7 @@ newest `keep_events` rows every `prune_every` successful writes, and once more w
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable
@@ -37,7 +43,15 @@ from controller import settings
 from controller.core.events import EventQueue, LabelledEvent
 from controller.services.lifecycle import BackgroundService, Health, first_line
 from storage.engine import session_scope
-from storage.events import event_json, insert_dead_letters, insert_events, record_health, split_storable
+from storage.events import (
+    chunk_committed,
+    event_json,
+    insert_dead_letters,
+    insert_events,
+    record_health,
+    record_receipt,
+    split_storable,
+)
 from storage.stats import prune_events
 
 if TYPE_CHECKING:
@@ -111,7 +125,11 @@ class EventWriter(BackgroundService):
         self.pruned = 0
         self._unpruned = 0  # successful writes since the last prune
         self._dropped_seen = 0  # queue drops already recorded into the stats
-        self._buffer: deque[LabelledEvent] = deque()
+        # (sequence number, event): a chunk is named by its first event's number in its receipt
+        self._buffer: deque[tuple[int, LabelledEvent]] = deque()
+        self._next_seq = 0
+        self.writer_id = secrets.token_hex(16)
+        self._in_doubt: tuple[int, frozenset[int]] | None = None  # a chunk whose commit's answer was lost
         self._retry_at = 0.0  # monotonic time before which a round only drains the queue
 
     def round(self) -> float:
@@ -168,7 +186,8 @@ class EventWriter(BackgroundService):
     def _take(self, events: list[LabelledEvent]) -> None:
         """Into the statistics, then into the bounded buffer (oldest dropped and counted)."""
         self._note(events)
-        self._buffer.extend(events)
+        self._buffer.extend(enumerate(events, self._next_seq))
+        self._next_seq += len(events)
         excess = len(self._buffer) - self.max_buffered
         for _ in range(max(0, excess)):
             self._buffer.popleft()
@@ -204,11 +223,16 @@ class EventWriter(BackgroundService):
     def _write(self) -> bool:
         """Write the buffer in chunks; False (the rest kept) if the database is down."""
         wrote = False
+        try:
+            self._settle()
+        except SQLAlchemyError as exc:
+            self.failed(exc)
+            return False
         while self._buffer:
             # after an outage, bigger transactions: fewer round trips while catching up
             n = min(self.batch_size * (5 if len(self._buffer) > 5 * self.batch_size else 1), len(self._buffer))
             done: set[int] = set()
-            rows = [(i, self._buffer[i].to_row()) for i in range(n)]
+            rows = [(i, self._buffer[i][1].to_row()) for i in range(n)]
             start = time.perf_counter()
             try:
                 self._store_chunk(rows, done)
@@ -225,6 +249,20 @@ class EventWriter(BackgroundService):
             self._drain_queue()  # catching up may take a while: keep the queue from filling
         self._unpruned += wrote
         return True
+
+    def _settle(self) -> None:
+        """Find out whether the chunk in doubt was committed (its receipt is the writer's last) and
+        if so, forget its events as written; a database still down propagates."""
+        if self._in_doubt is None:
+            return
+        first_seq, seqs = self._in_doubt
+        with session_scope(self.engine) as session:
+            committed = chunk_committed(session, self.writer_id, first_seq)
+        self._in_doubt = None
+        if committed:
+            before = len(self._buffer)
+            self._buffer = deque(item for item in self._buffer if item[0] not in seqs)
+            self.written += before - len(self._buffer)
 
     def _forget(self, n: int, done: set[int]) -> None:
         """Remove the `done` indices among the first `n` buffered events, keeping the order."""
@@ -247,12 +285,15 @@ class EventWriter(BackgroundService):
         A database error (not about the rows) propagates: the caller retries later."""
         if not rows:
             return
+        first_seq = self._buffer[rows[0][0]][0]
         try:
             with session_scope(self.engine) as session:
                 insert_events(session, [row for _, row in rows])
+                record_receipt(session, self.writer_id, first_seq, len(rows))
                 self._heartbeat(session, len(rows))
         except Exception as exc:
             if not is_data_error(exc):
+                self._in_doubt = (first_seq, frozenset(self._buffer[i][0] for i, _ in rows))
                 raise
             if len(rows) == 1:
                 (i, row), = rows
