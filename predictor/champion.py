@@ -68,6 +68,29 @@ def promote(session: Session, version_id: int, *, reason: str, actor: str) -> No
     set_alias(session, CHAMPION, version_id, reason=reason, actor=actor, check=check_blob)
 
 
+def workload_alias(workload: str) -> str:
+    """The alias of `workload`'s own champion: set when the learner promotes a challenger for that
+    workload only; workloads without one are decided by `champion`."""
+    return f"{CHAMPION}/{workload}"
+
+
+def workload_champions(session: Session) -> dict[str, int]:
+    """{workload: version id} of the workloads that have their own champion."""
+    from predictor.traces import WORKLOADS
+
+    out = {}
+    for w in WORKLOADS:
+        version = get_alias_version(session, workload_alias(w))
+        if version is not None:
+            out[w] = version.id
+    return out
+
+
+def promote_for_workload(session: Session, workload: str, version_id: int, *, reason: str, actor: str) -> None:
+    """Make ``version_id`` the champion of ``workload`` only (its blob must load and score)."""
+    set_alias(session, workload_alias(workload), version_id, reason=reason, actor=actor, check=check_blob)
+
+
 def store_champion(session: Session, gate: GatePredictor, *, reason: str, actor: str) -> int:
     """Store ``gate`` as a new version and promote it (benchmarks and tests that need a champion)."""
     version = create_version(session, blob=gate.to_bytes(), kind=version_kind(gate),
@@ -93,5 +116,6 @@ def load_gate(engine: Engine, version_id: int | None = None) -> tuple[int, GateP
         return version.id, gate_from_blob(blob)
 
 
-__all__ = ["CHAMPION", "NoChampionError", "UnloadableVersionError", "load_gate", "promote", "store_champion", "unloadable_reason",
-           "StorageError", "VERSION_KINDS", "version_kind"]
+__all__ = ["CHAMPION", "NoChampionError", "UnloadableVersionError", "load_gate", "promote", "promote_for_workload",
+           "store_champion", "unloadable_reason", "StorageError", "VERSION_KINDS", "version_kind", "workload_alias",
+           "workload_champions"]

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from river import drift
 
+from predictor.calibration import CalibrationConfig
+from predictor.counterfactual import CounterfactualPolicy
 from predictor.features import NUM_FEATURES
 from predictor.mlp import DRAFT_LEN_COLUMN, MLP, GatePredictor
 from predictor.promotion import GoodputFn, PromotionPolicy, ShadowWindow
@@ -39,7 +41,9 @@ class LearnerConfig:
     adwin_delta: float = 0.002
     drift_chunk: int = 200  # ADWIN sees the mean error of each chunk of a workload's events
     window: int = 20_000  # shadow-scoring window (events)
-    promotion: PromotionPolicy = field(default_factory=PromotionPolicy)  # applied by the learner's caller
+    promotion: PromotionPolicy = field(default_factory=PromotionPolicy)  # the whole-stream rule (point champions)
+    counterfactual: CounterfactualPolicy = field(default_factory=CounterfactualPolicy)  # per workload (survival)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)  # the fast path beside this one
 
 
 @dataclass
@@ -65,6 +69,18 @@ class Batch:
     draft_len: np.ndarray  # int
     workload: np.ndarray  # int index into WORKLOADS
     tau: np.ndarray  # the threshold each draft was (or would have been) held to
+    tenant: np.ndarray | None = None  # object array of tenant names, where known
+
+    def take(self, rows: np.ndarray | slice) -> "Batch":
+        return Batch(self.features[rows], self.label[rows], self.draft_len[rows], self.workload[rows], self.tau[rows],
+                     None if self.tenant is None else self.tenant[rows])
+
+    @staticmethod
+    def join(parts: "list[Batch]") -> "Batch":
+        tenants = None if any(p.tenant is None for p in parts) else np.concatenate([p.tenant for p in parts])
+        return Batch(np.concatenate([p.features for p in parts]), np.concatenate([p.label for p in parts]),
+                     np.concatenate([p.draft_len for p in parts]), np.concatenate([p.workload for p in parts]),
+                     np.concatenate([p.tau for p in parts]), tenants)
 
 
 class OnlineLearner:
@@ -104,7 +120,9 @@ class OnlineLearner:
     def predict_many(self, features: np.ndarray) -> np.ndarray:
         return self.challenger().predict(features)
 
-    def learn_many(self, batch: Batch) -> LearnResult:
+    def learn_many(self, batch: Batch, train: Batch | None = None) -> LearnResult:
+        """Score and watch for drift on the new drafts `batch`; learn from `train` (default: the
+        same drafts; predictor.workload_promotion holds the newest back for its comparisons)."""
         result = LearnResult(events=len(batch.label))
         if not len(batch.label):
             return result
@@ -113,6 +131,9 @@ class OnlineLearner:
         result.drifts = self._detect_drift(batch)
         if result.drifts:
             self._boost = self.config.boost_updates
+        self.events_seen += len(batch.label)
+        self.since_promotion += len(batch.label)
+        batch = batch if train is None else train
         for w in np.unique(batch.workload):
             sel = batch.workload == w
             self._buffers[int(w)].add(batch.features[sel], batch.label[sel])
@@ -120,8 +141,6 @@ class OnlineLearner:
             end = start + self.config.batch_size
             self._update(batch.features[start:end], batch.label[start:end])
             result.updates += 1
-        self.events_seen += len(batch.label)
-        self.since_promotion += len(batch.label)
         return result
 
     # ---------------------------------------------------------------- internals
@@ -217,7 +236,7 @@ def batch_from_events(events: Sequence, tau_of: Callable[[np.ndarray, np.ndarray
     if not rows:
         empty = np.zeros(0)
         return Batch(np.zeros((0, NUM_FEATURES), np.float32), empty.astype(np.float32), empty.astype(int),
-                     empty.astype(int), empty)
+                     empty.astype(int), empty, np.zeros(0, dtype=object))
     x = np.frombuffer(b"".join(e.features for e in rows), dtype=np.float32).reshape(len(rows), NUM_FEATURES)
     k = np.array([e.draft_len for e in rows], dtype=np.int64)
     w = np.array([WORKLOADS.index(e.workload) for e in rows], dtype=np.int64)
@@ -225,4 +244,5 @@ def batch_from_events(events: Sequence, tau_of: Callable[[np.ndarray, np.ndarray
     missing = ~np.isfinite(tau)
     if missing.any():
         tau[missing] = tau_of(k[missing], w[missing])
-    return Batch(x.copy(), np.array([e.accepted for e in rows], dtype=np.float32), k, w, tau)
+    return Batch(x.copy(), np.array([e.accepted for e in rows], dtype=np.float32), k, w, tau,
+                 np.array([e.tenant for e in rows], dtype=object))

@@ -263,6 +263,22 @@ def alias_events(session: Session) -> list[dict[str, Any]]:
              "to_version": e.to_version_id, "actor": e.actor, "reason": e.reason} for e in session.scalars(stmt)]
 
 
+def calibrations(session: Session) -> list[dict[str, Any]]:
+    """The fast survival corrections in force, one row per scope, with a one-number summary: the
+    mean bias over positions (> 0: the correction raises the model's acceptance odds)."""
+    from storage.calibrations import list_calibrations
+
+    out = []
+    for c in list_calibrations(session):
+        bias = [float(b) for b in (c.params or {}).get("bias", [])]
+        slope = [float(a) for a in (c.params or {}).get("slope", [])]
+        out.append({"workload": c.workload, "tenant": c.tenant or "(all)", "version": c.predictor_version_id,
+                    "drafts": c.events, "mean_bias": round(sum(bias) / len(bias), 3) if bias else None,
+                    "mean_slope": round(sum(slope) / len(slope), 3) if slope else None,
+                    "updated": c.updated_at, "reason": c.reason})
+    return out
+
+
 def database_size(session: Session) -> int | None:
     """Bytes on disk: the SQLite file (plus WAL) or pg_database_size."""
     bind = session.get_bind()

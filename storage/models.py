@@ -199,6 +199,24 @@ class TauOverride(Base):
     clear_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
+class SurvivalCalibration(Base):
+    """The fast per-position correction of the champion's survival curves for one workload (tenant
+    "": every tenant of it; else that tenant's traffic of it), fitted by the leader every few hundred
+    labelled drafts and read by every replica's control poller. One row per scope, replaced."""
+
+    __tablename__ = "survival_calibrations"
+    __table_args__ = (UniqueConstraint("workload", "tenant"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    workload: Mapped[str] = mapped_column(String(MAX_WORKLOAD_LEN), nullable=False)
+    tenant: Mapped[str] = mapped_column(String(MAX_TENANT_LEN), nullable=False)  # "": the whole workload
+    predictor_version_id: Mapped[int] = mapped_column(Integer, nullable=False)  # the outputs it corrects
+    params: Mapped[dict[str, Any]] = mapped_column(JSON, nullable=False)  # predictor.calibration.Calibration.to_json
+    events: Mapped[int] = mapped_column(Integer, nullable=False)
+    reason: Mapped[str] = mapped_column(Text, nullable=False)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, default=utcnow)
+
+
 class TauHistory(Base):
     """Every change of a workload's automatic tau: the goodput-rule value, the learned correction,
     and the live estimates it came from."""

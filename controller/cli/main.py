@@ -93,14 +93,20 @@ def _parser() -> argparse.ArgumentParser:
                          "arctic: ArcticInference's score rule (default allocator)")
 
     sc = sub.add_parser("scenario", help="scripted experiments on the replay engine",
-                        description="shift: warm start without one workload, then serve held-out sessions in which "
-                                    "that workload starts arriving, online (learning) and against a predictor trained "
-                                    "offline on all workloads; prints and writes the per-window comparison.")
-    sc.add_argument("name", choices=["shift"])
-    sc.add_argument("--workload", default="sql", help="the workload left out of the warm start (default sql)")
-    sc.add_argument("--others", type=int, default=400, help="requests of other workloads served first (default 400)")
-    sc.add_argument("--window-tokens", type=int, default=2000, help="report window, in tokens of the workload")
-    sc.add_argument("--json", type=Path, default=Path("var/shift.json"), help="report file (default var/shift.json)")
+                        description="unseen: leave one bundled source out of the warm start, then serve its sessions "
+                                    "learning on, learning off and with the binary oracle gate; one table over every "
+                                    "source (or --source). shift: warm start without one workload, then serve held-out "
+                                    "sessions in which that workload starts arriving, online (learning) and against a "
+                                    "predictor trained offline on all workloads. Both print and write their report.")
+    sc.add_argument("name", choices=["unseen", "shift"])
+    sc.add_argument("--source", action="append", help="unseen: a source to leave out (repeatable; default every one)")
+    sc.add_argument("--max-tokens", type=int, default=100_000,
+                    help="unseen: each source's stream, whole sessions up to this many tokens (default 100000; 0: all)")
+    sc.add_argument("--workload", default="sql", help="shift: the workload left out of the warm start (default sql)")
+    sc.add_argument("--others", type=int, default=400, help="shift: requests of other workloads served first (default 400)")
+    sc.add_argument("--window-tokens", type=int, default=None,
+                    help="report window in tokens (default: unseen 20000, shift 2000)")
+    sc.add_argument("--json", type=Path, default=None, help="report file (default var/<scenario>.json)")
     sc.add_argument("--seed", type=int, default=0)
 
     rb = sub.add_parser("rollback", help="move the champion alias back (to its parent, or --to VERSION)",
@@ -180,12 +186,13 @@ def _eval(args: argparse.Namespace, engine) -> int:
 
 
 def _versions(args: argparse.Namespace, engine) -> int:
-    from predictor.champion import unloadable_reason
+    from predictor.champion import unloadable_reason, workload_champions
     from storage.engine import session_scope
     from storage.versions import get_alias_version, list_versions
 
     with session_scope(engine) as session:
         champion = get_alias_version(session, "champion")
+        own = workload_champions(session)
         versions = list_versions(session)
         if not versions:
             print("no predictor versions yet: run `hvd warmstart`")
@@ -193,18 +200,25 @@ def _versions(args: argparse.Namespace, engine) -> int:
             m = (v.metrics or {}).get("test", {}).get("overall", {})
             mark = "*" if champion is not None and champion.id == v.id else " "
             shadow = (v.metrics or {}).get("shadow")
-            quality = (f"precision@6={m.get('precision_ge6', '?')} recall@6={m.get('recall_ge6', '?')} mae={m.get('mae', '?')}"
-                       if not shadow else f"shadow gain={shadow['gain']:+.4f} mae={shadow['challenger_mae']}")
+            replayed = (v.metrics or {}).get("counterfactual")
+            quality = (f"shadow gain={shadow['gain']:+.4f} mae={shadow['challenger_mae']}" if shadow else
+                       "counterfactual gain " + ", ".join(f"{w} {c['gain']:+.4f}" for w, c in replayed.items())
+                       if replayed else
+                       f"precision@6={m.get('precision_ge6', '?')} recall@6={m.get('recall_ge6', '?')} mae={m.get('mae', '?')}")
+            serves = [w for w, vid in own.items() if vid == v.id]
             problem = unloadable_reason(v)
             print(f"{mark} v{v.id} parent={v.parent_id or '-'} {v.created_at:%Y-%m-%d %H:%M:%S} {v.kind} "
                   f"{quality} schema={v.feature_schema_hash[:12]} by={v.created_by} reason={v.reason!r}"
+                  + (f" champion of {', '.join(serves)}" if serves else "")
                   + (f" UNLOADABLE: {cli_overrides.escape(problem)}" if problem else ""))
         if args.log:
             from storage.versions import list_alias_events
 
-            print("champion alias history:")
-            for e in list_alias_events(session, "champion"):
-                print(f"  {e.at:%Y-%m-%d %H:%M:%S} v{e.from_version_id or '-'} -> v{e.to_version_id} by {e.actor}: {e.reason}")
+            print("champion alias history (champion/<workload>: that workload's own champion):")
+            for e in list_alias_events(session):
+                if e.alias_name == "champion" or e.alias_name.startswith("champion/"):
+                    print(f"  {e.at:%Y-%m-%d %H:%M:%S} {e.alias_name} v{e.from_version_id or '-'} -> v{e.to_version_id} "
+                          f"by {e.actor}: {e.reason}")
     return 0
 
 
@@ -259,13 +273,49 @@ def _scenario(args: argparse.Namespace, engine) -> int:
     from controller.cli.scenario_shift import format_report, run_shift, write_report
     from predictor.warmstart import build_dataset
 
-    if args.others < 0 or args.window_tokens < 1:
+    path = args.json or Path(f"var/{args.name}.json")
+    if args.name == "unseen":
+        return _scenario_unseen(args, path)
+    window = 2000 if args.window_tokens is None else args.window_tokens
+    if args.others < 0 or window < 1:
         raise ValueError("--others must be >= 0 and --window-tokens >= 1")
-    report = run_shift(build_dataset(seed=args.seed), args.workload, args.json.parent, others=args.others,
-                       window_tokens=args.window_tokens, seed=args.seed)
+    report = run_shift(build_dataset(seed=args.seed), args.workload, path.parent, others=args.others,
+                       window_tokens=window, seed=args.seed)
     print(format_report(report))
-    write_report(report, args.json)
-    print(f"report written to {args.json}")
+    write_report(report, path)
+    print(f"report written to {path}")
+    return 0
+
+
+def _scenario_unseen(args: argparse.Namespace, path: Path) -> int:
+    import json
+
+    from controller.cli.scenario_unseen import WINDOW_TOKENS, format_table, format_windows, run_unseen, sources
+    from controller.cli.serve_traces import ReplayServeOptions
+    from predictor.online import LearnerConfig
+    from predictor.traces import bundled_traces_path, load_traces
+    from predictor.warmstart import build_dataset
+
+    window = WINDOW_TOKENS if args.window_tokens is None else args.window_tokens
+    if window < 1 or args.max_tokens < 0:
+        raise ValueError("--window-tokens must be >= 1 and --max-tokens >= 0")
+    known = sources(load_traces([bundled_traces_path()])[0])
+    unknown = [s for s in args.source or [] if s not in known]
+    if unknown:
+        raise ValueError(f"unknown source {unknown[0]!r}; bundled sources: {', '.join(known)}")
+    data = build_dataset(seed=args.seed)
+    opts = ReplayServeOptions(seed=args.seed, learner=LearnerConfig(seed=args.seed))
+    reports = []
+    for source in args.source or known:
+        print(f"leaving out {source}:", flush=True)
+        reports.append(run_unseen(data, source, path.parent / "scenario-unseen", opts, window_tokens=window,
+                                  max_tokens=args.max_tokens or None))
+        print(format_windows(reports[-1]), flush=True)
+    print(format_table(reports))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"window_tokens": window, "max_tokens": args.max_tokens, "seed": args.seed,
+                                "sources": reports}, indent=1))
+    print(f"report written to {path}")
     return 0
 
 

@@ -34,6 +34,8 @@ from controller.core.events import DRAFTER_CACHE, DRAFTER_MODEL, EventQueue, Lab
 from controller.core.request_state import CacheDraftRecord, RequestState, VerifiedDraft
 from predictor.allocator import AUTO, FORCE_MODEL, FORCE_NONE, FULL_CACHE, NO_CACHE, allocate
 from predictor.cache_drafter import CacheDrafter, SuffixConfig
+from predictor.calibration import Calibration
+from predictor.calibration import apply as apply_calibration
 from predictor.features import NUM_FEATURES, DraftContext, feature_matrix
 from predictor.hindsight import Hindsight, TrackedDraft
 from predictor.mlp import GatePredictor
@@ -112,6 +114,8 @@ class Runtime:
                  shadow_drafts: bool = True, stats_sink=None) -> None:
         self.gate = gate
         self.version_id = version_id
+        # workloads served by their own champion (promoted for that workload): {workload: (gate, version)}
+        self.workload_gates: dict[str, tuple[GatePredictor, int]] = {}
         self.classes = classes
         self.decision = decision or DecisionConfig()
         self.events = events if events is not None else EventQueue()
@@ -143,6 +147,15 @@ class Runtime:
         """Swap the predictor between steps (a new champion); in-flight drafts keep their version."""
         self.gate, self.version_id = gate, version_id
         self._choose_rule()
+
+    def set_workload_gates(self, gates: dict[str, tuple[GatePredictor, int]]) -> None:
+        """The per-workload champions (from the control poller); workloads not in it use `gate`."""
+        self.workload_gates = dict(gates)
+
+    def version_for(self, workload: str) -> int | None:
+        """The predictor version deciding `workload`'s drafts."""
+        own = self.workload_gates.get(workload)
+        return own[1] if own is not None else self.version_id
 
     def _choose_rule(self) -> None:
         """The rule this predictor serves with: a point-estimate version keeps the binary rule."""
@@ -318,10 +331,48 @@ class Runtime:
             x = np.zeros((0, NUM_FEATURES), dtype=np.float32)
             return x, np.zeros(0, dtype=np.float32), (self.gate.survival(x) if curves else None)
         x = feature_matrix(rows.contexts, self.classes)
-        if curves:
-            s = self.gate.survival(x)
-            return x, s.sum(axis=1), s
-        return x, self.gate.predict(x), None
+        groups = self._gate_groups(rows)
+        calibrating = bool(self.controls.calibrations) and self.gate.kind == "survival"
+        if curves or calibrating:
+            s = self.gate.survival(x) if not groups else self._by_gate(groups, x, lambda g, xs: g.survival(xs))
+            if calibrating:
+                s = self._calibrate(rows, s)
+            return x, s.sum(axis=1), (s if curves else None)
+        return x, (self.gate.predict(x) if not groups else self._by_gate(groups, x, lambda g, xs: g.predict(xs))), None
+
+    def _gate_groups(self, rows: "_StepDrafts") -> list[tuple[GatePredictor, np.ndarray]] | None:
+        """Rows by the gate that decides them (None: all by the champion); notes each row's version."""
+        if not self.workload_gates:
+            rows.versions = None
+            return None
+        names = [st.workload for st, _ in rows.owners]
+        rows.versions = [self.version_for(w) for w in names]
+        groups: dict[int | None, list[int]] = {}
+        for r, v in enumerate(rows.versions):
+            groups.setdefault(v, []).append(r)
+        gates = {v: g for g, v in self.workload_gates.values()}
+        return [(gates.get(v, self.gate) if v != self.version_id else self.gate, np.array(idx)) for v, idx in groups.items()]
+
+    @staticmethod
+    def _by_gate(groups, x: np.ndarray, score) -> np.ndarray:
+        parts = [(idx, score(g, x[idx])) for g, idx in groups]
+        out = np.zeros((len(x),) + parts[0][1].shape[1:], dtype=np.float32)
+        for idx, values in parts:
+            out[idx] = values
+        return out
+
+    def _calibrate(self, rows: "_StepDrafts", curves: np.ndarray) -> np.ndarray:
+        """The fast per-position correction of each draft's curve: its tenant's for its workload if
+        the leader fitted one, else its workload's, else none."""
+        table = self.controls.calibrations
+        slope = np.ones(curves.shape)
+        bias = np.zeros(curves.shape)
+        hit = False
+        for r, (st, _) in enumerate(rows.owners):
+            c = table.get((st.workload, st.tenant)) or table.get((st.workload, None))
+            if c is not None:
+                slope[r], bias[r], hit = c.slope[: curves.shape[1]], c.bias[: curves.shape[1]], True
+        return apply_calibration(curves, rows.lengths(), slope, bias) if hit else curves
 
     def _record(self, rows: "_StepDrafts", x: np.ndarray, predicted: np.ndarray, decision: list[str],
                 tau: list[float], verified: list[int | None] | None = None) -> None:
@@ -329,7 +380,9 @@ class Runtime:
         labelled go out now."""
         for r, (st, tracked) in enumerate(rows.owners):
             st.records[tracked] = CacheDraftRecord(tracked.position, len(tracked.tokens), decision[r],
-                                                   float(predicted[r]), tau[r], self.version_id, x[r].tobytes(),
+                                                   float(predicted[r]), tau[r],
+                                                   self.version_id if rows.versions is None else rows.versions[r],
+                                                   x[r].tobytes(),
                                                    None if verified is None else verified[r])
         self.stats.cache_drafts += len(rows)
         for st, tracked, label in rows.labelled:
@@ -457,6 +510,8 @@ class Controls:
 
     corrections: dict[str, float] = field(default_factory=dict)
     overrides: OverrideSnapshot = field(default_factory=OverrideSnapshot)
+    # the fast survival corrections for the champion served: {(workload, tenant or None): Calibration}
+    calibrations: dict[tuple[str, str | None], Calibration] = field(default_factory=dict)
 
 
 class _StepDrafts:
@@ -466,6 +521,7 @@ class _StepDrafts:
         self.contexts: list[DraftContext] = []
         self.owners: list[tuple[RequestState, TrackedDraft]] = []
         self.labelled: list[tuple[RequestState, TrackedDraft, int]] = []  # drafts of this step labelled in it
+        self.versions: list[int | None] | None = None  # each row's predictor version, when not all the champion's
 
     def __len__(self) -> int:
         return len(self.contexts)

@@ -5,7 +5,8 @@ step emitted, receives the plan, and "verifies" it greedily against the recorded
 draft (cut to the length the plan verifies) accepts its longest common prefix with the true
 continuation; a model draft of the step's length k accepts what a simulated EAGLE3 drafter would
 (seeded, per request and position), at most k; every step emits accepted + 1 tokens. Requests of
-one deployment run `batch_size` at a time in arrival order.
+one deployment run `batch_size` at a time in arrival order. Each step's simulated time comes from the
+runtime's cost profile (its batch, query tokens and model draft length), shared evenly by its requests.
 """
 from __future__ import annotations
 
@@ -104,9 +105,15 @@ def run_replay(runtime: Runtime, records: Sequence[TraceRecord], tokenizer: Trac
                 k = plan.model_k or runtime.decision.model_draft_len
             else:
                 source, drafts, k = plan.source, plan.drafts, plan.model_k
+            verified = [len(drafts[i]) if source[i] == CACHE else k if source[i] == MODEL else 0
+                         for i in range(len(live))]
+            uses_model = any(s == MODEL for s in source)
+            # the step's simulated time from the cost profile, shared evenly by the requests in it
+            share = runtime.decision.cost.step_ms(len(live), len(live) + sum(verified), k if uses_model else 0) / len(live)
             for i, x in enumerate(live):
                 t = x.emitted
                 tally = run.by_workload[x.record.workload]
+                tally.time_ms += share
                 if source[i] == CACHE:
                     draft = drafts[i]
                     accepted = lcp(draft, x.out[t : t + len(draft)].tolist())

@@ -16,8 +16,11 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from controller.core.runtime import Controls, Runtime
 from controller.services.lifecycle import BackgroundService, Health
-from predictor.champion import CHAMPION, load_gate
+from predictor.calibration import Calibration, CalibrationError
+from predictor.champion import CHAMPION, load_gate, workload_alias, workload_champions
+from predictor.traces import WORKLOADS
 from predictor.mlp import BlobError
+from storage.calibrations import calibrations_for
 from storage.engine import session_scope
 from storage.errors import StorageError
 from storage.overrides import snapshot
@@ -35,6 +38,7 @@ class ControlPoller(BackgroundService):
         self.runtime = runtime
         # "v7: <why>" while the champion cannot be loaded here and the last good gate is served; else None
         self.champion_problem: str | None = None
+        self._bad_calibrations: set[tuple[str, str | None]] = set()
 
     def poll_once(self) -> bool:
         """One refresh; False (and the old snapshot kept) if the database could not be read."""
@@ -43,17 +47,60 @@ class ControlPoller(BackgroundService):
                 current = get_alias_version(s, CHAMPION)
                 champion_id = current.id if current is not None else None
                 corrections = latest_corrections(s)
+                own = workload_champions(s)
+                served = {w: own.get(w, champion_id) for w in WORKLOADS}
+                stored_calibrations = calibrations_for(s, served)
                 overrides = snapshot(s, datetime.now(timezone.utc))
         except (SQLAlchemyError, StorageError) as exc:
             self.failed(exc)
             return False
-        self.runtime.set_controls(Controls(corrections=corrections, overrides=overrides))
+        self.runtime.set_controls(Controls(corrections=corrections, overrides=overrides,
+                                           calibrations=self._calibrations(stored_calibrations)))
         if champion_id is not None and champion_id != self.runtime.version_id:
             self._load_champion(champion_id)
         elif champion_id == self.runtime.version_id:
             self.champion_problem = None  # e.g. the alias went back to the gate this replica serves
+        self._load_workload_champions(own)
         self.succeeded()
         return True
+
+    def _calibrations(self, stored: dict[tuple[str, str | None], dict]) -> dict[tuple[str, str | None], Calibration]:
+        """The stored corrections that parse; one that does not is skipped and said once."""
+        out = {}
+        for scope, params in stored.items():
+            try:
+                out[scope] = Calibration.from_json(params)
+            except CalibrationError as exc:
+                if scope not in self._bad_calibrations:
+                    log.error("survival calibration for %s is unusable, serving without it: %s", scope, exc)
+                self._bad_calibrations.add(scope)
+        return out
+
+    def _load_workload_champions(self, own: dict[str, int]) -> None:
+        """Workloads with their own champion get its gate (loaded once per version); one that will
+        not load leaves that workload on what it had, said once."""
+        current = self.runtime.workload_gates
+        gates = {}
+        for workload, version_id in own.items():
+            have = current.get(workload)
+            if have is not None and have[1] == version_id:
+                gates[workload] = have
+                continue
+            loaded = next((g for g in current.values() if g[1] == version_id), None)
+            if loaded is None:
+                try:
+                    loaded = tuple(reversed(load_gate(self.engine, version_id)))
+                except (SQLAlchemyError, StorageError, BlobError) as exc:
+                    problem = f"{workload_alias(workload)} v{version_id}: {exc}"
+                    if problem != self.champion_problem:
+                        log.error("workload champion cannot be loaded on this replica: %s", problem)
+                    self.champion_problem = problem
+                    if have is not None:
+                        gates[workload] = have
+                    continue
+            gates[workload] = loaded
+        if {w: v for w, (_, v) in gates.items()} != {w: v for w, (_, v) in current.items()}:
+            self.runtime.set_workload_gates(gates)
 
     def _load_champion(self, version_id: int) -> None:
         try:

@@ -19,11 +19,20 @@ from sqlalchemy import Engine
 from controller.core.decision import DecisionConfig, effective_rule
 from controller.core.tau_tuner import TauTuner
 from controller.services.lifecycle import BackgroundService
-from predictor.champion import CHAMPION, load_gate, promote, version_kind
+from predictor.calibration import Calibrator
+from predictor.champion import CHAMPION, load_gate, promote, promote_for_workload, version_kind
+from predictor.features import NUM_FEATURES
+from predictor.mlp import SURVIVAL_K, GatePredictor
+from predictor.counterfactual import gain, served_curves_from
+from predictor.online import Batch
+from predictor.workload_promotion import WorkloadPromoter, replay_drafts
+
+MIN_JUDGED = 200  # held-back drafts a scope needs before its calibration is judged (and served)
 from predictor.goodput import model_step_ms
 from predictor.online import LearnerConfig, OnlineLearner, batch_from_events
 from predictor.promotion import ShadowScore
 from predictor.traces import WORKLOADS
+from storage.calibrations import ALL_TENANTS, clear_calibrations, save_calibration
 from storage.engine import session_scope
 from storage.events import events_after, last_event_id
 from storage.versions import add_drift_event, add_tau_history, create_version, get_alias_version
@@ -37,6 +46,8 @@ class LearnerStats:
     drifts: list[tuple[str, int]] = field(default_factory=list)
     cursor: int = 0
     last_update: datetime | None = None
+    calibrations: int = 0  # scopes refitted
+    rollbacks: list[tuple[str, int, int]] = field(default_factory=list)  # (workload, from version, back to)
 
 
 class LearnerService(BackgroundService):
@@ -60,6 +71,10 @@ class LearnerService(BackgroundService):
         self._leading = lock is None
         self.champion_id, champion = load_gate(engine)
         self.learner = OnlineLearner(champion, self._goodput, self.config)
+        self.calibrator = Calibrator(self.config.calibration)
+        self.promoter = WorkloadPromoter(self.config.counterfactual, NUM_FEATURES, len(WORKLOADS))
+        self.workload_gates: dict[str, tuple[int, GatePredictor]] = {}  # workloads with their own champion
+        self._before: dict[str, int] = {}  # a watched promotion's predecessor, per workload
         if start_at_end:
             with session_scope(engine) as s:
                 self.stats.cursor = last_event_id(s)
@@ -85,11 +100,26 @@ class LearnerService(BackgroundService):
         now = datetime.now(timezone.utc)
         if len(batch.label):
             self.tuner.observe_cache(batch, self.learner.champion.predict(batch.features))
-            result = self.learner.learn_many(batch)
+            counterfactual = self._counterfactual()
+            released = self.promoter.hold(batch) if counterfactual else None
+            refitted = self._calibrate(released) if counterfactual else {}
+            result = self.learner.learn_many(batch, released)
             self.stats.updates += result.updates
             self.stats.last_update = now
             with session_scope(self.engine) as s:
+                for (workload, tenant), (calibration, verdict) in refitted.items():
+                    if verdict > 0:
+                        save_calibration(s, workload=workload, tenant=tenant,
+                                         predictor_version_id=self._serving(workload)[0],
+                                         params=calibration.to_json(), events=calibration.events,
+                                         reason=(f"fitted on {calibration.events} labelled drafts; counterfactual "
+                                                 f"goodput {100 * verdict:+.2f}% on the held-back drafts"))
+                    else:  # a correction that would not have paid is not served
+                        clear_calibrations(s, workload, ALL_TENANTS if tenant is None else tenant)
                 for d in result.drifts:
+                    # what the correction learned is about the traffic before the drift
+                    self.calibrator.reset(d.workload)
+                    clear_calibrations(s, d.workload)
                     self.stats.drifts.append((d.workload, d.events_seen))
                     add_drift_event(s, at=now, workload=d.workload, detector="adwin",
                                     detail={"events_seen": d.events_seen, "error_mean": round(d.error_mean, 4)},
@@ -99,11 +129,99 @@ class LearnerService(BackgroundService):
                     add_tau_history(s, at=now, workload=c.workload, tau=c.tau, rule_tau=c.rule_tau,
                                     correction=c.correction, model_mean_accepted=c.mu_e, reason=c.reason,
                                     replica=self.replica)
-            score = self.learner.shadow.score()
-            if self.config.promotion.earned(score, self.learner.since_promotion):
-                self._promote(score)
+            if counterfactual:
+                self._judge_workloads(now)
+            else:
+                score = self.learner.shadow.score()
+                if self.config.promotion.earned(score, self.learner.since_promotion):
+                    self._promote(score)
         self.stats.events += len(rows)
         return len(rows)
+
+    def _serving(self, workload: str) -> tuple[int, GatePredictor]:
+        """(version id, gate) deciding `workload`: its own champion, else the champion."""
+        return self.workload_gates.get(workload, (self.champion_id, self.learner.champion))
+
+    def _counterfactual(self) -> bool:
+        """Survival champions are promoted per workload by counterfactual replay; a point champion
+        (no curve to replay) keeps the whole-stream shadow rule."""
+        return self.learner.champion.kind == "survival" and self.learner.model.kind == "survival"
+
+    def _judge_workloads(self, now: datetime) -> None:
+        """The comparisons due (predictor.workload_promotion), acted on: one new version for the
+        challenger if it won anywhere, each winning workload's alias moved to it, regressions rolled back."""
+        due = self.promoter.due()
+        if not due:
+            return
+        challenger = self.learner.challenger()
+        verdicts = [self.promoter.judge(w, self._serving(WORKLOADS[w])[1], challenger, self.tuner.model.curves(
+            np.array([w])), self.decision.cost) for w in due]
+        wins = [v for v in verdicts if v.action == "promote"]
+        losses = [v for v in verdicts if v.action == "rollback"]
+        if not wins and not losses:
+            return
+        actor = f"learner@{self.replica}"
+        with session_scope(self.engine) as s:
+            if wins:
+                names = ", ".join(WORKLOADS[v.workload] for v in wins)
+                version = create_version(
+                    s, blob=challenger.to_bytes(), kind=version_kind(challenger), feature_schema_hash=challenger.schema_hash,
+                    metrics={"counterfactual": {WORKLOADS[v.workload]: v.to_json() for v in wins}},
+                    training_summary={"online": {"events_seen": self.learner.events_seen, "updates": self.learner.updates,
+                                                 "seed": self.config.seed}},
+                    reason=f"promoted by the online learner for {names} (counterfactual replay on held-back drafts)",
+                    created_by=actor, parent_id=self.champion_id)
+                self.stats.promotions.append(version.id)
+                for v in wins:
+                    name = WORKLOADS[v.workload]
+                    self._before[name] = self._serving(name)[0]
+                    promote_for_workload(s, name, version.id, actor=actor, reason=(
+                        f"promotion for {name}: counterfactual goodput {100 * v.gain:+.2f}% over v{self._before[name]} "
+                        f"on the {v.candidate.drafts} newest drafts, held back from its training"))
+                    self._switch(s, name, version.id, challenger)
+            for v in losses:
+                name = WORKLOADS[v.workload]
+                back = self._before.pop(name)
+                promoted = self._serving(name)[0]
+                promote_for_workload(s, name, back, actor=actor, reason=(
+                    f"automatic rollback for {name}: v{promoted} served {100 * -v.gain:.2f}% less goodput than v{back} "
+                    f"on the {v.candidate.drafts} drafts after its promotion"))
+                _, gate = load_gate(self.engine, back) if back != self.champion_id else (back, self.learner.champion)
+                self._switch(s, name, back, gate)
+                self.stats.rollbacks.append((name, promoted, back))
+
+    def _switch(self, session, workload: str, version_id: int, gate: GatePredictor) -> None:
+        """`workload` is now decided by `version_id`: its corrections were fitted to another model."""
+        self.workload_gates[workload] = (version_id, gate)
+        self.calibrator.reset(workload)
+        clear_calibrations(session, workload)
+
+    def _calibrate(self, released: Batch) -> dict:
+        """Feed the fast calibration the raw curves of the gate serving each released draft's
+        workload (drafts out of the held-back window, like the challenger's); each scope refitted,
+        with its counterfactual gain on the window it has not seen (served only if it pays)."""
+        curves = np.zeros((len(released.label), SURVIVAL_K), dtype=np.float32)
+        for w in np.unique(released.workload).tolist():
+            sel = released.workload == w
+            curves[sel] = self._serving(WORKLOADS[w])[1].survival(released.features[sel])
+        changed = self.calibrator.observe(curves, released.draft_len, released.label, released.workload,
+                                          released.tenant, WORKLOADS)
+        judged = {}
+        for (workload, tenant), calibration in changed.items():
+            w = WORKLOADS.index(workload)
+            window = self.promoter.window(w)
+            if tenant is not None:
+                window = window.take(window.tenant == tenant)
+            if len(window.label) < MIN_JUDGED:
+                continue
+            raw = self._serving(workload)[1].survival(window.features)
+            model = self.tuner.model.curves(np.array([w]))
+            verdict = gain(replay_drafts(served_curves_from(raw, window.draft_len, calibration), window, model,
+                                         self.decision.cost),
+                           replay_drafts(raw, window, model, self.decision.cost))
+            judged[(workload, tenant)] = (calibration, verdict)
+        self.stats.calibrations += len(judged)
+        return judged
 
     def _take_over(self) -> None:
         """Just became leader: what earlier leaders learned is in the champion; start at the end."""
@@ -126,6 +244,7 @@ class LearnerService(BackgroundService):
         self.champion_id = new_id
         self.stats.promotions.append(new_id)
         self.learner.adopt(challenger)
+        self.calibrator.reset()  # the corrections were fitted to the old champion's outputs
 
     def _follow_external_champion(self) -> None:
         """An operator moved the alias (rollback): learn on from that version instead."""
@@ -135,6 +254,7 @@ class LearnerService(BackgroundService):
         if current_id is not None and current_id != self.champion_id:
             self.champion_id, champion = load_gate(self.engine, current_id)
             self.learner = OnlineLearner(champion, self._goodput, self.config)
+            self.calibrator.reset()
 
     def _goodput(self, label: np.ndarray, draft_len: np.ndarray, cache: np.ndarray,
                  workload: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

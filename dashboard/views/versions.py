@@ -71,4 +71,17 @@ if rollback and champ_parent is not None:
 st.subheader("Promotion log (newest first)")
 with read_session(engine) as s:
     events = q.alias_events(s)
+    fitted = q.calibrations(s)
 st.dataframe(pd.DataFrame(events), hide_index=True, width="stretch")
+st.caption("champion/<workload> is a workload's own champion: the learner promotes per workload where its challenger "
+           "wins a counterfactual replay of the newest held-back drafts, and rolls back automatically when the next "
+           "window shows a regression.")
+
+st.subheader("Fast calibrations")
+if fitted:
+    st.dataframe(pd.DataFrame(fitted), hide_index=True, width="stretch")
+    st.caption("Per-position logistic corrections of the serving champion's survival curves, refitted every few "
+               "hundred labelled drafts per workload (and per tenant with enough traffic), reset on drift and when "
+               "the workload's champion changes.")
+else:
+    st.info("No calibrations yet: the learner fits one per workload after a few hundred labelled drafts.")

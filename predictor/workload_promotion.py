@@ -1,0 +1,135 @@
+"""Promotion per workload by counterfactual replay, and automatic rollback.
+
+The newest `holdout` labelled drafts of each workload are held back from the challenger: the learner
+trains on a draft only once it leaves its workload's window. Every `check_every` new drafts of a
+workload, champion and challenger are replayed on that window (predictor.counterfactual: the
+allocator's choices from each one's survival curves, realised from the hindsight labels, at the
+cost profile's prices) and the challenger becomes that workload's champion only where its goodput
+beats the champion's by `margin`. After a promotion the workload is watched: once its window holds
+only drafts served after the promotion, the new champion is replayed against the one it replaced,
+and a regression beyond `rollback_margin` moves the workload back. Both models are compared raw
+(without the fast calibration, which is fitted afresh to whichever champion serves).
+
+The caller (the learner service) owns the versions and aliases: this module decides.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from predictor.counterfactual import CounterfactualPolicy, Goodput, gain, replay_goodput
+from predictor.mlp import GatePredictor
+from predictor.online import Batch
+from predictor.profiles import CostProfile
+
+
+@dataclass
+class Verdict:
+    """One comparison on a workload's window: promote, roll back, or nothing."""
+
+    workload: int
+    action: str  # "promote" | "rollback" | "keep"
+    gain: float  # the candidate's goodput over the incumbent's, minus one
+    candidate: Goodput
+    incumbent: Goodput
+
+    def to_json(self) -> dict:
+        return {"action": self.action, "gain": round(self.gain, 5), "drafts": self.candidate.drafts,
+                "candidate_tokens_per_ms": round(self.candidate.per_ms, 6),
+                "incumbent_tokens_per_ms": round(self.incumbent.per_ms, 6)}
+
+
+@dataclass
+class _Watch:
+    promoted: GatePredictor
+    previous: GatePredictor
+    fresh: int = 0  # drafts of the workload since the promotion
+
+
+@dataclass
+class _Window:
+    drafts: Batch
+    since_check: int = 0
+    watch: _Watch | None = None
+    verdicts: list[Verdict] = field(default_factory=list)
+
+
+class WorkloadPromoter:
+    def __init__(self, policy: CounterfactualPolicy, num_features: int, workloads: int) -> None:
+        self.policy = policy
+        empty = np.zeros(0)
+        self._windows = [_Window(Batch(np.zeros((0, num_features), np.float32), empty.astype(np.float32),
+                                       empty.astype(np.int64), empty.astype(np.int64), empty, empty.astype(object)))
+                         for _ in range(workloads)]
+
+    def hold(self, batch: Batch) -> Batch:
+        """Put the new drafts in their workloads' windows; returns the drafts that left them (the
+        oldest), which the challenger (and the fast calibration) may now learn from."""
+        if batch.tenant is None:
+            batch = Batch(batch.features, batch.label, batch.draft_len, batch.workload, batch.tau,
+                          np.full(len(batch.label), "", dtype=object))
+        out: list[Batch] = [batch.take(slice(0, 0))]
+        for w in np.unique(batch.workload).tolist():
+            sel = batch.workload == w
+            win = self._windows[w]
+            win.drafts = Batch.join([win.drafts, batch.take(sel)])
+            n = int(sel.sum())
+            win.since_check += n
+            if win.watch is not None:
+                win.watch.fresh += n
+            spill = max(0, len(win.drafts.label) - self.policy.holdout)
+            if spill:
+                out.append(win.drafts.take(slice(0, spill)))
+                win.drafts = win.drafts.take(slice(spill, None))
+        return Batch.join(out)
+
+    def window(self, w: int) -> Batch:
+        """Workload `w`'s held-back drafts, oldest first."""
+        return self._windows[w].drafts
+
+    def due(self) -> list[int]:
+        """Workloads whose window is full and has seen `check_every` new drafts since its last check."""
+        p = self.policy
+        return [w for w, win in enumerate(self._windows)
+                if len(win.drafts.label) >= p.holdout and win.since_check >= p.check_every]
+
+    def judge(self, w: int, champion: GatePredictor, challenger: GatePredictor, model_survival: np.ndarray,
+              cost: CostProfile) -> Verdict:
+        """The comparison due on workload `w`: a watched promotion first (roll back or confirm once
+        the window is all post-promotion), else the challenger against the champion."""
+        win = self._windows[w]
+        win.since_check = 0
+        watch = win.watch
+        if watch is not None and watch.fresh < self.policy.holdout:
+            verdict = Verdict(w, "keep", 0.0, Goodput(0, 0, 0), Goodput(0, 0, 0))  # not enough post-promotion traffic
+            return verdict
+        if watch is not None:
+            win.watch = None
+            promoted, previous = self._replay(win, watch.promoted, model_survival, cost), \
+                self._replay(win, watch.previous, model_survival, cost)
+            g = gain(promoted, previous)
+            action = "rollback" if g < -self.policy.rollback_margin else "keep"
+            verdict = Verdict(w, action, g, promoted, previous)
+        else:
+            chal, champ = self._replay(win, challenger, model_survival, cost), self._replay(win, champion, model_survival, cost)
+            g = gain(chal, champ)
+            verdict = Verdict(w, "promote" if g >= self.policy.margin else "keep", g, chal, champ)
+            if verdict.action == "promote":
+                win.watch = _Watch(challenger, champion)
+        win.verdicts.append(verdict)
+        return verdict
+
+    @staticmethod
+    def _replay(win: _Window, gate: GatePredictor, model_survival: np.ndarray, cost: CostProfile) -> Goodput:
+        d = win.drafts
+        return replay_drafts(gate.survival(d.features), d, model_survival, cost)
+
+    def window_size(self, w: int) -> int:
+        return len(self._windows[w].drafts.label)
+
+
+def replay_drafts(curves: np.ndarray, drafts: Batch, model_survival: np.ndarray, cost: CostProfile) -> Goodput:
+    """predictor.counterfactual.replay_goodput on a batch of drafts, the model drafter's curve the same for all."""
+    se = np.broadcast_to(model_survival, (len(drafts.label), model_survival.shape[-1]))
+    return replay_goodput(curves, drafts.draft_len, drafts.label.astype(np.float64), se, cost)

