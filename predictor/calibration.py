@@ -101,18 +101,33 @@ def observations(curves: np.ndarray, draft_len: np.ndarray, label: np.ndarray) -
             yield p, z[rows, p], (lab[rows, 0] > p).astype(np.float64)
 
 
-def fit_position(z: np.ndarray, y: np.ndarray, prior: float, iterations: int = 8) -> tuple[float, float]:
+def fit_position(z: np.ndarray, y: np.ndarray, prior: float, iterations: int = 25) -> tuple[float, float]:
     """slope, bias minimising the log loss of sigmoid(slope * z + bias) against y plus
-    prior / 2 * ((slope - 1)^2 + bias^2): Newton steps from the identity."""
+    prior / 2 * ((slope - 1)^2 + bias^2): damped Newton steps from the identity (each step halved
+    until the loss falls: far from the optimum a full step overshoots, and when every z is alike
+    slope and bias are nearly one direction)."""
+    def loss(a: float, b: float) -> float:
+        u = a * z + b
+        return float(np.sum(np.logaddexp(0.0, u) - y * u) + 0.5 * prior * ((a - 1.0) ** 2 + b * b))
+
     a, b = 1.0, 0.0
+    current = loss(a, b)
     for _ in range(iterations):
         p = 1.0 / (1.0 + np.exp(-np.clip(a * z + b, -30.0, 30.0)))
         w = p * (1.0 - p)
         g = np.array([np.dot(p - y, z) + prior * (a - 1.0), np.sum(p - y) + prior * b])
         h = np.array([[np.dot(w, z * z) + prior, np.dot(w, z)], [np.dot(w, z), np.sum(w) + prior]])
         step = np.linalg.solve(h, g)
-        a, b = a - step[0], b - step[1]
-        if np.max(np.abs(step)) < 1e-6:
+        t = 1.0
+        while t > 1e-4:
+            trial = loss(a - t * step[0], b - t * step[1])
+            if trial <= current:
+                break
+            t *= 0.5
+        else:
+            break
+        a, b, current = a - t * step[0], b - t * step[1], trial
+        if np.max(np.abs(t * step)) < 1e-6:
             break
     return float(np.clip(a, 0.05, 20.0)), float(np.clip(b, -20.0, 20.0))
 

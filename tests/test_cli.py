@@ -199,3 +199,11 @@ def test_database_failing_mid_command_is_one_line_exit_2(tmp_path: Path, capsys:
     err = capsys.readouterr().err
     assert code == 2
     assert err.startswith(f"hvd override: error: database {url}: database is locked") and err.count("\n") == 1
+
+
+def test_scenario_unseen_names_an_unknown_source_before_any_work(work):
+    tmp, _ = work
+    run = hvd("--db", f"sqlite:///{tmp}/sc.db", "scenario", "unseen", "--source", "no-such-source", cwd=tmp)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert "unknown source 'no-such-source'; bundled sources: aider-chat-history, can-ai-code-results" in run.stderr
+    assert not (tmp / "var" / "scenario-unseen").exists()

@@ -201,3 +201,31 @@ def test_same_events_same_promotions_and_calibrations(pessimist_db):
     assert outcomes[0][0] and outcomes[0][0] == outcomes[1][0]
     assert outcomes[0][1:] == outcomes[1][1:]
     assert all(name == workload_alias(name.split("/")[1]) for name, _ in outcomes[0][1])
+
+
+def test_a_drift_resets_the_workloads_corrections(pessimist_db, monkeypatch):
+    from controller.core.decision import DecisionConfig
+    from controller.services.learner_service import LearnerService
+    from predictor.calibration import CalibrationConfig
+    from predictor.online import DriftSignal, LearnerConfig
+    from storage.calibrations import list_calibrations
+    from storage.engine import session_scope
+
+    engine, _ = pessimist_db
+    config = LearnerConfig(seed=1, counterfactual=CounterfactualPolicy(holdout=400, check_every=400, margin=9.0),
+                           calibration=CalibrationConfig(every=200))
+    service = LearnerService(engine, DecisionConfig(), config, replica="r", start_at_end=False, batch_events=2000)
+    while service.run_once():
+        with session_scope(engine) as s:
+            fitted = {c.workload for c in list_calibrations(s)}
+        if fitted:
+            break
+    assert fitted, "no calibration was served before the stream ended"
+    drifted = sorted(fitted)[0]
+    monkeypatch.setattr(service.learner, "_detect_drift",
+                        lambda batch: [DriftSignal(drifted, service.learner.events_seen, 1.0)])
+    service.calibrator = type(service.calibrator)(CalibrationConfig(every=10**9))  # no refit in this round
+    service.run_once()
+    with session_scope(engine) as s:
+        assert drifted not in {c.workload for c in list_calibrations(s)}
+    assert [w for w, _ in service.stats.drifts][-1] == drifted

@@ -154,7 +154,7 @@ def _fresh_db(path: Path, gate: GatePredictor, reason: str) -> str:
 def serve_mode(mode: str, gate: GatePredictor, stream: Sequence[TraceRecord], folder: Path, opts: ReplayServeOptions,
                window_tokens: int, log: Callable[[str], None]) -> ModeReport:
     """One of the three runs on a fresh database; its report per window of the stream's tokens."""
-    source = stream[0].source
+    source, workload = stream[0].source, stream[0].workload
     url = _fresh_db(folder / f"unseen-{source}-{mode}.db", gate, f"warm start without {source}")
     run_opts = ReplayServeOptions(**{**asdict(opts), "learner": opts.learner, "learn": mode == "learn",
                                      "oracle": mode == "oracle", "synchronous": True})
@@ -163,7 +163,7 @@ def serve_mode(mode: str, gate: GatePredictor, stream: Sequence[TraceRecord], fo
     def on_step(run, runtime) -> None:
         t = run.total()
         if not points or t.tokens - points[-1].tokens >= 500:
-            points.append(Point(t.tokens, t.cycles, t.time_ms, runtime.events.queued, runtime.version_id))
+            points.append(Point(t.tokens, t.cycles, t.time_ms, runtime.events.queued, runtime.version_for(workload)))
 
     engine = make_engine(url)
     result = serve_replay(engine, stream, run_opts, log=lambda line: None, on_step=on_step)
