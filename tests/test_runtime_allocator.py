@@ -298,3 +298,27 @@ def test_tau_history_shows_the_break_even_tau(tmp_path, records, tokenizer):
     assert {h[0] for h in history} == {e.workload for e in decided}  # no tau before one is seen
     for w in WORKLOADS:
         assert tuner.state[w].mu_e == pytest.approx(runtime.mu_e[w], rel=1e-9)
+
+
+def test_calibrations_and_workload_champions_change_what_is_served(tokenizer):
+    """The fast correction applies per tenant's workload where the leader fitted one, else per
+    workload; a workload's own champion decides its drafts and stamps its version on their events."""
+    from predictor.calibration import Calibration
+
+    runtime = Runtime(survival_gate(3), tokenizer.classes, DecisionConfig(cost=GPU), version_id=1)
+    raw = runtime.step([repeat("a", tenant="t1"), repeat("b", tenant="t2")])
+    assert raw.predicted.tolist() == [3.0, 3.0]
+    nothing = Calibration(np.ones(SURVIVAL_K), np.full(SURVIVAL_K, -200.0), 500)  # accepts nothing
+    runtime.set_controls(Controls(calibrations={("agentic", None): Calibration.identity(),
+                                                ("agentic", "t2"): nothing}))
+    plan = runtime.step([repeat("c", tenant="t1"), repeat("d", tenant="t2")])
+    assert plan.predicted[0] == pytest.approx(3.0, abs=1e-3) and plan.predicted[1] == pytest.approx(0.0, abs=1e-6)
+    assert plan.source.tolist()[1] != CACHE
+    runtime.set_controls(Controls())
+    runtime.set_workload_gates({"agentic": (survival_gate(SURVIVAL_K), 7)})
+    drain(runtime.events)
+    plan = runtime.step([repeat("e"), fresh(1)])
+    assert plan.predicted[0] == 12.0 and runtime.version_for("agentic") == 7 and runtime.version_for("sql") == 1
+    runtime.step([RequestInput("e", list(range(101, 114)))])
+    events = [e for e in drain(runtime.events) if e.drafter == "cache" and e.request_id == "e"]
+    assert events and {e.predictor_version_id for e in events} == {7}

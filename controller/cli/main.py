@@ -138,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         engine = make_engine(database_url(args.db))
         upgrade(engine)
         return _COMMANDS[args.command](args, engine)
+    except KeyboardInterrupt as exc:
+        print(f"hvd {args.command}: stopped{': ' + str(exc) if str(exc) else ''}", file=sys.stderr)
+        return 130
     except (StorageError, ValueError, LookupError, FileNotFoundError) as exc:
         print(f"hvd {args.command}: error: {exc}", file=sys.stderr)
         return 2

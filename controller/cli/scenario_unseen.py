@@ -167,6 +167,9 @@ def serve_mode(mode: str, gate: GatePredictor, stream: Sequence[TraceRecord], fo
 
     engine = make_engine(url)
     result = serve_replay(engine, stream, run_opts, log=lambda line: None, on_step=on_step)
+    if result.interrupted:  # Ctrl-C or SIGTERM stopped this run: the scenario stops with it
+        engine.dispose()
+        raise KeyboardInterrupt(f"interrupted while serving {source} ({mode})")
     total = result.run.total()
     points.append(Point(total.tokens, total.cycles, total.time_ms, result.tally.produced, None))
     with session_scope(engine) as s:
