@@ -20,22 +20,21 @@ from controller.core.decision import DecisionConfig, effective_rule
 from controller.core.tau_tuner import TauTuner
 from controller.services.lifecycle import BackgroundService
 from predictor.calibration import Calibrator
-from predictor.champion import CHAMPION, load_gate, promote, promote_for_workload, version_kind
-from predictor.features import NUM_FEATURES
-from predictor.mlp import SURVIVAL_K, GatePredictor
+from predictor.champion import CHAMPION, load_gate, promote, promote_for_workload, version_kind, workload_champions
 from predictor.counterfactual import gain, served_curves_from
-from predictor.online import Batch
-from predictor.workload_promotion import WorkloadPromoter, replay_drafts
-
-MIN_JUDGED = 200  # held-back drafts a scope needs before its calibration is judged (and served)
+from predictor.features import NUM_FEATURES
 from predictor.goodput import model_step_ms
-from predictor.online import LearnerConfig, OnlineLearner, batch_from_events
+from predictor.mlp import SURVIVAL_K, GatePredictor
+from predictor.online import Batch, LearnerConfig, OnlineLearner, batch_from_events
 from predictor.promotion import ShadowScore
 from predictor.traces import WORKLOADS
+from predictor.workload_promotion import WorkloadPromoter, replay_drafts
 from storage.calibrations import ALL_TENANTS, clear_calibrations, save_calibration
 from storage.engine import session_scope
 from storage.events import events_after, last_event_id
 from storage.versions import add_drift_event, add_tau_history, create_version, get_alias_version
+
+MIN_JUDGED = 200  # held-back drafts a scope needs before its calibration is judged (and served)
 
 
 @dataclass
@@ -247,14 +246,26 @@ class LearnerService(BackgroundService):
         self.calibrator.reset()  # the corrections were fitted to the old champion's outputs
 
     def _follow_external_champion(self) -> None:
-        """An operator moved the alias (rollback): learn on from that version instead."""
+        """An operator moved the alias (rollback), or another leader moved a workload's: learn on
+        from what the database says serves each workload."""
         with session_scope(self.engine) as s:
             current = get_alias_version(s, CHAMPION)
             current_id = current.id if current is not None else None
+            own = workload_champions(s)
         if current_id is not None and current_id != self.champion_id:
             self.champion_id, champion = load_gate(self.engine, current_id)
             self.learner = OnlineLearner(champion, self._goodput, self.config)
             self.calibrator.reset()
+        for workload in set(self.workload_gates) | set(own):
+            have = self.workload_gates.get(workload, (None, None))[0]
+            if own.get(workload) == have:
+                continue
+            if workload in own:
+                self.workload_gates[workload] = load_gate(self.engine, own[workload])
+            else:
+                del self.workload_gates[workload]
+            self._before.pop(workload, None)  # not this leader's promotion to watch
+            self.calibrator.reset(workload)
 
     def _goodput(self, label: np.ndarray, draft_len: np.ndarray, cache: np.ndarray,
                  workload: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
