@@ -165,6 +165,7 @@ class CalibrationConfig:
     window: int = 4000  # recent observations kept per position and scope
     prior: float = 30.0  # pseudo-observations pulling each position to the identity
     tenant_min_events: int = 5000  # a tenant's workload gets its own correction from this much traffic
+    margin: float = 0.01  # served only if the counterfactual replay says it beats the uncorrected curves by this
 
 
 class Calibrator:

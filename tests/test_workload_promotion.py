@@ -143,7 +143,7 @@ def test_the_service_promotes_per_workload_calibrates_and_replicas_follow(pessim
     engine, tokenizer = pessimist_db
     config = LearnerConfig(seed=1, batch_size=128, learning_rate=1e-3,
                            counterfactual=CounterfactualPolicy(holdout=400, check_every=400),
-                           calibration=CalibrationConfig(every=200))
+                           calibration=CalibrationConfig(every=200, margin=0.0))  # any fit that pays is served
     service = LearnerService(engine, DecisionConfig(), config, replica="r1", start_at_end=False, batch_events=500)
     while service.run_once():
         pass

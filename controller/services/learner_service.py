@@ -107,7 +107,7 @@ class LearnerService(BackgroundService):
             self.stats.last_update = now
             with session_scope(self.engine) as s:
                 for (workload, tenant), (calibration, verdict) in refitted.items():
-                    if verdict > 0:
+                    if verdict >= self.config.calibration.margin:
                         save_calibration(s, workload=workload, tenant=tenant,
                                          predictor_version_id=self._serving(workload)[0],
                                          params=calibration.to_json(), events=calibration.events,
