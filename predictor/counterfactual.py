@@ -12,7 +12,7 @@ workload, on drafts the challenger has not trained on.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -26,7 +26,7 @@ from predictor.profiles import CostProfile
 class CounterfactualPolicy:
     """predictor.workload_promotion's margins and windows."""
 
-    holdout: int = 2000  # newest labelled drafts per workload held back from the challenger
+    holdout: int = 3000  # newest labelled drafts per workload held back from the challenger
     check_every: int = 1000  # new drafts of a workload between comparisons
     margin: float = 0.01  # the challenger's goodput must beat the champion's by this fraction
     rollback_margin: float = 0.01  # a promoted champion losing by more than this to its predecessor goes
@@ -37,6 +37,8 @@ class Goodput:
     tokens: float
     ms: float
     drafts: int
+    # per draft (tokens, ms), in window order: what the evidence behind a comparison is read from
+    each: tuple[np.ndarray, np.ndarray] | None = field(default=None, compare=False, repr=False)
 
     @property
     def per_ms(self) -> float:
@@ -58,7 +60,7 @@ def replay_goodput(curves: np.ndarray, draft_len: np.ndarray, label: np.ndarray,
     plan = allocate_each(curves, draft_len, model_survival, cost)
     realised = np.where(plan.source == CACHE, 1.0 + np.minimum(label, plan.length),
                         np.where(plan.source == MODEL, plan.expected, 1.0))
-    return Goodput(float(realised.sum()), float(plan.step_ms.sum()), len(draft_len))
+    return Goodput(float(realised.sum()), float(plan.step_ms.sum()), len(draft_len), (realised, plan.step_ms))
 
 
 def gain(challenger: Goodput, champion: Goodput) -> float:
@@ -66,3 +68,24 @@ def gain(challenger: Goodput, champion: Goodput) -> float:
     if champion.per_ms <= 0 or not champion.drafts:
         return 0.0
     return challenger.per_ms / champion.per_ms - 1.0
+
+
+def gain_interval(challenger: Goodput, champion: Goodput, blocks: int = 10, z: float = 2.0) -> tuple[float, float]:
+    """A rough interval for `gain` from `blocks` contiguous slices of the same drafts (contiguous,
+    since neighbouring drafts of one request are alike): mean block gain -+ z standard errors.
+    (0, 0) without per-draft outcomes or with too few drafts to split."""
+    if challenger.each is None or champion.each is None or champion.drafts < 2 * blocks:
+        return 0.0, 0.0
+    gains = []
+    for part in np.array_split(np.arange(champion.drafts), blocks):
+        (tb, mb), (ta, ma) = ((e[0][part], e[1][part]) for e in (challenger.each, champion.each))
+        gains.append((tb.sum() / mb.sum()) / (ta.sum() / ma.sum()) - 1.0 if ta.sum() > 0 else 0.0)
+    mean, se = float(np.mean(gains)), float(np.std(gains, ddof=1) / np.sqrt(blocks))
+    return mean - z * se, mean + z * se
+
+
+def wins(challenger: Goodput, champion: Goodput, margin: float) -> tuple[bool, float]:
+    """Whether the challenger wins by `margin` and clearly (its interval above zero); and the gain."""
+    g = gain(challenger, champion)
+    low, _ = gain_interval(challenger, champion)
+    return g >= margin and low > 0.0, g

@@ -2,12 +2,14 @@
 
 The newest `holdout` labelled drafts of each workload are held back from the challenger: the learner
 trains on a draft only once it leaves its workload's window. Every `check_every` new drafts of a
-workload, champion and challenger are replayed on that window (predictor.counterfactual: the
-allocator's choices from each one's survival curves, realised from the hindsight labels, at the
-cost profile's prices) and the challenger becomes that workload's champion only where its goodput
-beats the champion's by `margin`. After a promotion the workload is watched: once its window holds
-only drafts served after the promotion, the new champion is replayed against the one it replaced,
-and a regression beyond `rollback_margin` moves the workload back. Both models are compared raw
+workload, champion and challenger are replayed on that window's decision points (the drafts a step
+decided on, not the shadow drafts between them; predictor.counterfactual: the allocator's choices
+from each one's survival curves, realised from the hindsight labels, at the cost profile's prices) and the challenger becomes that workload's champion only where its goodput
+beats the champion's by `margin`, and clearly (predictor.counterfactual.wins: the gain over ten
+contiguous slices of the window, less two standard errors, is above zero; a 1% edge on a thousand
+correlated drafts is noise). After a promotion the workload is watched: once its window holds only
+drafts served after the promotion, the new champion is replayed against the one it replaced, and a
+clear loss beyond `rollback_margin` moves the workload back. Both models are compared raw
 (without the fast calibration, which is fitted afresh to whichever champion serves).
 
 The caller (the learner service) owns the versions and aliases: this module decides.
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from predictor.counterfactual import CounterfactualPolicy, Goodput, gain, replay_goodput
+from predictor.counterfactual import CounterfactualPolicy, Goodput, gain, replay_goodput, wins
 from predictor.mlp import GatePredictor
 from predictor.online import Batch
 from predictor.profiles import CostProfile
@@ -60,15 +62,17 @@ class WorkloadPromoter:
         self.policy = policy
         empty = np.zeros(0)
         self._windows = [_Window(Batch(np.zeros((0, num_features), np.float32), empty.astype(np.float32),
-                                       empty.astype(np.int64), empty.astype(np.int64), empty, empty.astype(object)))
+                                       empty.astype(np.int64), empty.astype(np.int64), empty, empty.astype(object),
+                                       empty.astype(bool)))
                          for _ in range(workloads)]
 
     def hold(self, batch: Batch) -> Batch:
         """Put the new drafts in their workloads' windows; returns the drafts that left them (the
         oldest), which the challenger (and the fast calibration) may now learn from."""
-        if batch.tenant is None:
-            batch = Batch(batch.features, batch.label, batch.draft_len, batch.workload, batch.tau,
-                          np.full(len(batch.label), "", dtype=object))
+        n = len(batch.label)
+        batch = Batch(batch.features, batch.label, batch.draft_len, batch.workload, batch.tau,
+                      np.full(n, "", dtype=object) if batch.tenant is None else batch.tenant,
+                      np.ones(n, dtype=bool) if batch.decided is None else batch.decided)
         out: list[Batch] = [batch.take(slice(0, 0))]
         for w in np.unique(batch.workload).tolist():
             sel = batch.workload == w
@@ -85,8 +89,10 @@ class WorkloadPromoter:
         return Batch.join(out)
 
     def window(self, w: int) -> Batch:
-        """Workload `w`'s held-back drafts, oldest first."""
-        return self._windows[w].drafts
+        """Workload `w`'s held-back drafts at the steps' decision points, oldest first: the drafts
+        serving actually decided on (the shadow drafts in between were never a choice)."""
+        d = self._windows[w].drafts
+        return d.take(d.decided)
 
     def due(self) -> list[int]:
         """Workloads whose window is full and has seen `check_every` new drafts since its last check."""
@@ -108,13 +114,12 @@ class WorkloadPromoter:
             win.watch = None
             promoted, previous = self._replay(win, watch.promoted, model_survival, cost), \
                 self._replay(win, watch.previous, model_survival, cost)
-            g = gain(promoted, previous)
-            action = "rollback" if g < -self.policy.rollback_margin else "keep"
-            verdict = Verdict(w, action, g, promoted, previous)
+            lost, g = wins(previous, promoted, self.policy.rollback_margin)
+            verdict = Verdict(w, "rollback" if lost else "keep", gain(promoted, previous), promoted, previous)
         else:
             chal, champ = self._replay(win, challenger, model_survival, cost), self._replay(win, champion, model_survival, cost)
-            g = gain(chal, champ)
-            verdict = Verdict(w, "promote" if g >= self.policy.margin else "keep", g, chal, champ)
+            won, g = wins(chal, champ, self.policy.margin)
+            verdict = Verdict(w, "promote" if won else "keep", g, chal, champ)
             if verdict.action == "promote":
                 win.watch = _Watch(challenger, champion)
         win.verdicts.append(verdict)
@@ -122,7 +127,7 @@ class WorkloadPromoter:
 
     @staticmethod
     def _replay(win: _Window, gate: GatePredictor, model_survival: np.ndarray, cost: CostProfile) -> Goodput:
-        d = win.drafts
+        d = win.drafts.take(win.drafts.decided)
         return replay_drafts(gate.survival(d.features), d, model_survival, cost)
 
     def window_size(self, w: int) -> int:

@@ -21,7 +21,7 @@ from controller.core.tau_tuner import TauTuner
 from controller.services.lifecycle import BackgroundService
 from predictor.calibration import Calibrator
 from predictor.champion import CHAMPION, load_gate, promote, promote_for_workload, version_kind, workload_champions
-from predictor.counterfactual import gain, served_curves_from
+from predictor.counterfactual import served_curves_from, wins
 from predictor.features import NUM_FEATURES
 from predictor.goodput import model_step_ms
 from predictor.mlp import SURVIVAL_K, GatePredictor
@@ -106,8 +106,8 @@ class LearnerService(BackgroundService):
             self.stats.updates += result.updates
             self.stats.last_update = now
             with session_scope(self.engine) as s:
-                for (workload, tenant), (calibration, verdict) in refitted.items():
-                    if verdict >= self.config.calibration.margin:
+                for (workload, tenant), (calibration, pays, verdict) in refitted.items():
+                    if pays:  # won by the margin, clearly
                         save_calibration(s, workload=workload, tenant=tenant,
                                          predictor_version_id=self._serving(workload)[0],
                                          params=calibration.to_json(), events=calibration.events,
@@ -215,10 +215,10 @@ class LearnerService(BackgroundService):
                 continue
             raw = self._serving(workload)[1].survival(window.features)
             model = self.tuner.model.curves(np.array([w]))
-            verdict = gain(replay_drafts(served_curves_from(raw, window.draft_len, calibration), window, model,
-                                         self.decision.cost),
-                           replay_drafts(raw, window, model, self.decision.cost))
-            judged[(workload, tenant)] = (calibration, verdict)
+            pays, verdict = wins(replay_drafts(served_curves_from(raw, window.draft_len, calibration), window, model,
+                                               self.decision.cost),
+                                 replay_drafts(raw, window, model, self.decision.cost), self.config.calibration.margin)
+            judged[(workload, tenant)] = (calibration, pays, verdict)
         self.stats.calibrations += len(judged)
         return judged
 
