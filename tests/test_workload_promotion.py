@@ -238,3 +238,21 @@ def test_a_drift_resets_the_workloads_corrections(pessimist_db, monkeypatch):
     with session_scope(engine) as s:
         assert drifted not in {c.workload for c in list_calibrations(s)}
     assert [w for w, _ in service.stats.drifts][-1] == drifted
+
+
+def test_a_win_must_be_clear_not_only_past_the_margin():
+    from predictor.counterfactual import gain_interval, wins
+
+    rng = np.random.default_rng(0)
+    ms = np.full(1000, 10.0)
+    base = rng.integers(1, 6, size=1000).astype(float)
+    champion = Goodput(base.sum(), ms.sum(), 1000, (base, ms))
+    steady = base * 1.05  # 5% better on every slice
+    assert wins(Goodput(steady.sum(), ms.sum(), 1000, (steady, ms)), champion, 0.01) == (True, pytest.approx(0.05))
+    lucky = base.copy()
+    lucky[:100] *= 1.6  # the whole edge from one slice: past the margin overall, not clear
+    won, g = wins(Goodput(lucky.sum(), ms.sum(), 1000, (lucky, ms)), champion, 0.01)
+    assert g > 0.01 and not won
+    low, high = gain_interval(Goodput(lucky.sum(), ms.sum(), 1000, (lucky, ms)), champion)
+    assert low < 0.0 < high
+    assert gain_interval(Goodput(1, 1, 5), Goodput(1, 1, 5)) == (0.0, 0.0)  # too few to split: no evidence
