@@ -114,7 +114,7 @@ class WorkloadPromoter:
             win.watch = None
             promoted, previous = self._replay(win, watch.promoted, model_survival, cost), \
                 self._replay(win, watch.previous, model_survival, cost)
-            lost, g = wins(previous, promoted, self.policy.rollback_margin)
+            lost, _ = wins(previous, promoted, self.policy.rollback_margin)
             verdict = Verdict(w, "rollback" if lost else "keep", gain(promoted, previous), promoted, previous)
         else:
             chal, champ = self._replay(win, challenger, model_survival, cost), self._replay(win, champion, model_survival, cost)
