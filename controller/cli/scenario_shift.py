@@ -51,13 +51,15 @@ def _train(data: Dataset, keep_workloads: set[int], config: TrainConfig) -> Gate
     return GatePredictor.from_torch(model, schema_hash())
 
 
-def _fresh_db(path: Path, gate: GatePredictor, reason: str) -> str:
+def fresh_db(path: Path, gate: GatePredictor, reason: str, actor: str = "hvd scenario shift") -> str:
+    """A new SQLite database at `path` (any old one replaced) whose champion is `gate`; its URL."""
     path.unlink(missing_ok=True)
     url = f"sqlite:///{path}"
     engine = make_engine(url)
     upgrade(engine)
     with session_scope(engine) as s:
-        store_champion(s, gate, reason=reason, actor="hvd scenario shift")
+        store_champion(s, gate, reason=reason, actor=actor)
+    engine.dispose()
     return url
 
 
@@ -77,7 +79,7 @@ def run_shift(data: Dataset, workload: str, folder: Path, others: int = 400, win
     folder.mkdir(parents=True, exist_ok=True)
     curves = {}
     for name, gate, learn in (("online", without, True), ("offline_all", reference, False)):
-        url = _fresh_db(folder / f"shift-{name}.db", gate, f"shift scenario ({name})")
+        url = fresh_db(folder / f"shift-{name}.db", gate, f"shift scenario ({name})")
         points: list[tuple[int, int]] = []
 
         def on_step(run, runtime, points=points) -> None:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from controller.cli.scenario_shift import fresh_db
 from controller.cli.serve_traces import ReplayServeOptions, serve_replay
-from predictor.champion import store_champion
 from predictor.features import schema_hash
 from predictor.metrics import precision_recall
 from predictor.mlp import GatePredictor
@@ -31,7 +31,6 @@ from predictor.training import TrainConfig, train_gate
 from predictor.warmstart import Dataset
 from storage.engine import make_engine, session_scope
 from storage.events import list_events
-from storage.migrate import upgrade
 from storage.versions import list_alias_events
 
 WINDOW_TOKENS = 20_000
@@ -140,22 +139,11 @@ def train_without(data: Dataset, source: str, config: TrainConfig, cache_dir: Pa
     return gate
 
 
-def _fresh_db(path: Path, gate: GatePredictor, reason: str) -> str:
-    path.unlink(missing_ok=True)
-    url = f"sqlite:///{path}"
-    engine = make_engine(url)
-    upgrade(engine)
-    with session_scope(engine) as s:
-        store_champion(s, gate, reason=reason, actor="hvd scenario unseen")
-    engine.dispose()
-    return url
-
-
 def serve_mode(mode: str, gate: GatePredictor, stream: Sequence[TraceRecord], folder: Path, opts: ReplayServeOptions,
                window_tokens: int, log: Callable[[str], None]) -> ModeReport:
     """One of the three runs on a fresh database; its report per window of the stream's tokens."""
     source, workload = stream[0].source, stream[0].workload
-    url = _fresh_db(folder / f"unseen-{source}-{mode}.db", gate, f"warm start without {source}")
+    url = fresh_db(folder / f"unseen-{source}-{mode}.db", gate, f"warm start without {source}", "hvd scenario unseen")
     run_opts = ReplayServeOptions(**{**asdict(opts), "learner": opts.learner, "learn": mode == "learn",
                                      "oracle": mode == "oracle", "synchronous": True})
     points: list[Point] = []
