@@ -4,21 +4,21 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from controller.core.decision import CACHE, MODEL, NONE, DecisionConfig
 from controller.services.event_writer import EventWriter
 from controller.core.events import EventQueue, LabelledEvent
 from controller.engines.trace_engine import run_replay
 from controller.core.runtime import RequestInput, Runtime, RequestInputError
-from predictor.features import FEATURE_NAMES, NUM_FEATURES, schema_hash
 from predictor.labels import lcp
-from predictor.mlp import MLP, SURVIVAL_K, GatePredictor
+from predictor.mlp import GatePredictor
 from predictor.profiles import chain_acceptance, drafter_profiles
 from predictor.trace_replay import replay
 from storage.engine import make_engine, session_scope
 from storage.events import count_events, list_events
 from storage.migrate import upgrade
+
+from gates import match_len_gate, random_survival_gate
 
 DRAFTER = drafter_profiles()["eagle3-1.75"]
 
@@ -26,16 +26,7 @@ DRAFTER = drafter_profiles()["eagle3-1.75"]
 @pytest.fixture(scope="module")
 def gate() -> GatePredictor:
     """A survival gate (random weights): the runtime decides with the allocator."""
-    torch.manual_seed(0)
-    return GatePredictor.from_torch(MLP(NUM_FEATURES, outputs=SURVIVAL_K), schema_hash())
-
-
-def match_len_gate() -> GatePredictor:
-    """A transparent gate: predicts the draft's match length (so a fixed tau splits decisions)."""
-    w = np.zeros((NUM_FEATURES, 1), dtype=np.float32)
-    w[FEATURE_NAMES.index("match_len"), 0] = 1.0
-    return GatePredictor(np.zeros(NUM_FEATURES, np.float32), np.ones(NUM_FEATURES, np.float32), [w],
-                         [np.zeros(1, np.float32)], schema_hash())
+    return random_survival_gate()
 
 
 def drain(queue: EventQueue) -> list[LabelledEvent]:

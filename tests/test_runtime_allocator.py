@@ -8,7 +8,6 @@ from datetime import datetime, timedelta, timezone
 
 import numpy as np
 import pytest
-import torch
 
 from controller.core.decision import CACHE, MODEL, NONE, DecisionConfig
 from controller.core.events import EventQueue, LabelledEvent
@@ -18,9 +17,9 @@ from controller.engines.trace_engine import run_replay
 from controller.services.event_writer import EventWriter
 from controller.services.learner_service import LearnerService
 from predictor.champion import store_champion
-from predictor.features import FEATURE_NAMES, NUM_FEATURES, schema_hash
+from predictor.features import NUM_FEATURES, schema_hash
 from predictor.labels import lcp
-from predictor.mlp import MLP, SURVIVAL_K, GatePredictor
+from predictor.mlp import SURVIVAL_K, GatePredictor
 from predictor.online import LearnerConfig
 from predictor.profiles import cost_profiles, drafter_profiles
 from predictor.traces import WORKLOADS
@@ -29,6 +28,8 @@ from storage.events import events_after
 from storage.migrate import upgrade
 from storage.models import TauHistory
 from storage.overrides import ActiveOverride, OverrideSnapshot
+
+from gates import match_len_gate, random_survival_gate
 
 DRAFTER = drafter_profiles()["eagle3-1.75"]
 CPU, GPU = cost_profiles()["cpu-smollm2"], cost_profiles()["gpu-8b"]
@@ -41,19 +42,6 @@ def survival_gate(certain: int) -> GatePredictor:
     z[:certain] = 30.0
     return GatePredictor(np.zeros(NUM_FEATURES, np.float32), np.ones(NUM_FEATURES, np.float32),
                          [np.zeros((NUM_FEATURES, SURVIVAL_K), np.float32)], [z], schema_hash())
-
-
-def random_survival_gate() -> GatePredictor:
-    torch.manual_seed(0)
-    return GatePredictor.from_torch(MLP(NUM_FEATURES, outputs=SURVIVAL_K), schema_hash())
-
-
-def match_len_gate() -> GatePredictor:
-    """A point-estimate gate predicting the draft's match length."""
-    w = np.zeros((NUM_FEATURES, 1), dtype=np.float32)
-    w[FEATURE_NAMES.index("match_len"), 0] = 1.0
-    return GatePredictor(np.zeros(NUM_FEATURES, np.float32), np.ones(NUM_FEATURES, np.float32), [w],
-                         [np.zeros(1, np.float32)], schema_hash())
 
 
 def repeat(req_id: str, tenant: str = "default", workload: str = "agentic", speculate: bool = True) -> RequestInput:
