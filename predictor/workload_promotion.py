@@ -91,8 +91,7 @@ class WorkloadPromoter:
     def window(self, w: int) -> Batch:
         """Workload `w`'s held-back drafts at the steps' decision points, oldest first: the drafts
         serving actually decided on (the shadow drafts in between were never a choice)."""
-        d = self._windows[w].drafts
-        return d.take(d.decided)
+        return _decision_points(self._windows[w].drafts)
 
     def due(self) -> list[int]:
         """Workloads whose window is full and has seen `check_every` new drafts since its last check."""
@@ -127,11 +126,15 @@ class WorkloadPromoter:
 
     @staticmethod
     def _replay(win: _Window, gate: GatePredictor, model_survival: np.ndarray, cost: CostProfile) -> Goodput:
-        d = win.drafts.take(win.drafts.decided)
+        d = _decision_points(win.drafts)
         return replay_drafts(gate.survival(d.features), d, model_survival, cost)
 
     def window_size(self, w: int) -> int:
         return len(self._windows[w].drafts.label)
+
+
+def _decision_points(drafts: Batch) -> Batch:
+    return drafts.take(drafts.decided)
 
 
 def replay_drafts(curves: np.ndarray, drafts: Batch, model_survival: np.ndarray, cost: CostProfile) -> Goodput:
