@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work", type=Path, default=d.work)
     p.add_argument("--out", type=Path, default=d.answers)
     a = p.parse_args(argv)
-    folders = {name: a.work / name for name in ("samples", "held_out") if (a.work / name / "settings.json").is_file()}
+    folders = {name: a.work / name for name in ("samples", "samples-fp32", "held_out") if (a.work / name / "settings.json").is_file()}
     if not folders:
         p.error(f"no generated answers under {a.work} (run make eagle3 first)")
     tokens = pack(folders, a.out)

@@ -105,20 +105,22 @@ class Engine:
 
 
 def generate(prompts: Sequence[Prompt], folder: Path, token_budget: int, engine: Engine, max_new_tokens: int,
-             shard_prompts: int, log: Callable[[str], None] = print) -> list[Sample]:
-    """Answer prompts in order until `token_budget` output tokens exist (counting finished shards)."""
+             shard_prompts: int, log: Callable[[str], None] = print, max_shards: int | None = None) -> list[Sample]:
+    """Answer prompts in order until `token_budget` output tokens exist (counting finished shards), or
+    `max_shards` shards do (a folder closed to new shards, its run continued in another)."""
     folder.mkdir(parents=True, exist_ok=True)
     _check_settings(folder, prompts, engine.model, engine.dtype, max_new_tokens, shard_prompts)
     samples = read_samples(folder)
     done_shards = len(list(folder.glob("shard-*.jsonl")))
     have = sum(len(s.output_ids) for s in samples)
     start = done_shards * shard_prompts
-    if have >= token_budget or start >= len(prompts):
+    limit = len(prompts) if max_shards is None else min(len(prompts), max_shards * shard_prompts)
+    if have >= token_budget or start >= limit:
         log(f"generate {folder.name}: {have:,} tokens in {done_shards} shards already (budget {token_budget:,})")
         return samples
     began, made = time.perf_counter(), 0
     index = done_shards
-    while have < token_budget and start < len(prompts):
+    while have < token_budget and start < limit:
         chunk = prompts[start : start + shard_prompts]
         shard = [Sample(p.trace_id, p.workload, p.token_ids, out)
                  for p, out in zip(chunk, engine.generate(chunk, max_new_tokens))]

