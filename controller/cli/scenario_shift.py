@@ -33,6 +33,7 @@ from storage.events import list_events
 from storage.migrate import upgrade
 
 WITHIN = 0.05
+WINDOW_TOKENS = 2000  # report window: tokens of the arriving workload
 
 
 @dataclass
@@ -63,7 +64,7 @@ def fresh_db(path: Path, gate: GatePredictor, reason: str, actor: str = "hvd sce
     return url
 
 
-def run_shift(data: Dataset, workload: str, folder: Path, others: int = 400, window_tokens: int = 2000,
+def run_shift(data: Dataset, workload: str, folder: Path, others: int = 400, window_tokens: int = WINDOW_TOKENS,
               seed: int = 0, log: Callable[[str], None] = print) -> dict:
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; known: {WORKLOADS}")
