@@ -1,4 +1,7 @@
-"""HVD dashboard: `streamlit run dashboard/app.py` (database from HVD_DATABASE_URL, else sqlite:///var/hvd.db)."""
+"""HVD dashboard: `streamlit run dashboard/app.py` (database from HVD_DATABASE_URL, else sqlite:///var/hvd.db).
+
+The sidebar (selection, admin session, auto-refresh) is rendered here, once for every page: widgets of
+the entrypoint keep their state across page changes, and the selection is kept in the URL."""
 from __future__ import annotations
 
 import sys
@@ -10,6 +13,9 @@ if str(ROOT) not in sys.path:  # `streamlit run` puts dashboard/ first, not the 
 
 import streamlit as st  # noqa: E402
 
+from dashboard.common import engine_or_stop, read_session, sidebar  # noqa: E402
+from storage import dashboard_queries as q  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 st.set_page_config(page_title="HVD", layout="wide")
 PAGES = [
@@ -19,4 +25,8 @@ PAGES = [
     st.Page(str(HERE / "views" / "versions.py"), title="Versions", url_path="versions"),
     st.Page(str(HERE / "views" / "health.py"), title="Health", url_path="health"),
 ]
-st.navigation(PAGES).run()
+page = st.navigation(PAGES)
+engine = engine_or_stop()
+with read_session(engine) as session:
+    sidebar(None if q.is_empty(session) else session)
+page.run()

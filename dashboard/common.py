@@ -8,6 +8,7 @@ import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 import streamlit as st
 from sqlalchemy import Engine
@@ -20,6 +21,15 @@ from storage.errors import StorageError
 from storage.settings import database_url
 
 ADMIN_TOKEN_ENV = "HVD_ADMIN_TOKEN"
+REFRESH_ENV = "HVD_DASHBOARD_REFRESH_S"
+DEFAULT_REFRESH_S = 30
+# Set by the entrypoint (dashboard/app.py), which renders the sidebar once for every page so the
+# selection and the admin session survive page changes. A page run on its own renders it itself.
+ENTRY_KEY = "_hvd_entry"
+ALL_TENANTS, ALL_WORKLOADS = "(all tenants)", "(all workloads)"
+TIME_RANGES: dict[str, timedelta | None] = {
+    "all time": None, "last 15 min": timedelta(minutes=15), "last hour": timedelta(hours=1),
+    "last 6 hours": timedelta(hours=6), "last 24 hours": timedelta(hours=24), "last 7 days": timedelta(days=7)}
 EMPTY_HELP = ("The database holds no predictor, statistics or decisions yet. Fill it with "
               "`make warmstart` (trains the first champion), then `hvd serve --engine replay` "
               "(serves the bundled traces and records what the gate decided).")
@@ -112,14 +122,23 @@ def check_token(typed: str, configured: str) -> Outcome:
     return outcome
 
 
-def admin_sidebar() -> Admin:
-    """Sidebar inputs for the admin token and name; edits are allowed only with the right token."""
-    configured = configured_token()
+def _admin_inputs() -> tuple[str, str]:
     with st.sidebar:
-        st.caption(f"Database: `{masked_url(database_url())}`")
         typed = st.text_input("Admin token", type="password", key="admin_token",
-                              help="Needed to change overrides or versions; read-only without it.")
+                              help="Needed to change overrides or versions; read-only without it. Kept for this "
+                                   "browser session across pages, never put in the URL.")
         name = st.text_input("Admin name", key="admin_name", help="Recorded as the author of every change.")
+    return typed, name
+
+
+def admin_sidebar() -> Admin:
+    """The admin session: the token and name typed in the sidebar (rendered once by the entrypoint,
+    so they survive page changes); edits are allowed only with the right token."""
+    if st.session_state.get(ENTRY_KEY):
+        typed, name = st.session_state.get("admin_token", ""), st.session_state.get("admin_name", "")
+    else:
+        typed, name = _admin_inputs()
+    configured = configured_token()
     if configured is None:
         why = (f"Read-only: no admin token is configured (set {ADMIN_TOKEN_ENV} or "
                "`admin_token` in Streamlit secrets to allow edits).")
@@ -135,11 +154,122 @@ def admin_sidebar() -> Admin:
     return Admin(True, name.strip(), "")
 
 
+def refresh_seconds() -> int:
+    """Auto-refresh interval (HVD_DASHBOARD_REFRESH_S, default 30; 0 turns it off). A bad value is
+    named on the page and the default used."""
+    raw = os.environ.get(REFRESH_ENV, "").strip()
+    if not raw:
+        return DEFAULT_REFRESH_S
+    try:
+        value = int(raw)
+        if value < 0:
+            raise ValueError
+    except ValueError:
+        st.sidebar.warning(f"{REFRESH_ENV}={raw!r} is not a whole number of seconds >= 0; refreshing every "
+                           f"{DEFAULT_REFRESH_S} s.")
+        return DEFAULT_REFRESH_S
+    return value
+
+
+def _bound_choice(label: str, key: str, options: list[str], what: str, help: str) -> str:
+    """A sidebar selectbox kept in the URL (?key=value), so a link reproduces the view. A value in the
+    link that is not an option is named, not silently dropped."""
+    linked = st.query_params.get(key)
+    if linked is not None and linked not in options:
+        st.sidebar.warning(f"The link names {what} {linked!r}, which this database does not know; showing "
+                           f"{options[0]}.")
+    return st.sidebar.selectbox(label, options, key=key, bind="query-params", help=help)
+
+
+def selection_sidebar(session: Session) -> q.Scope:
+    """Tenant, workload and time range for every page, from the sidebar (kept in the URL)."""
+    tenant = _bound_choice("Tenant", "tenant", [ALL_TENANTS, *q.tenants(session)], "tenant",
+                           "Every page shows this tenant's traffic (or all).")
+    workload = _bound_choice("Workload", "workload", [ALL_WORKLOADS, *q.workloads(session)], "workload",
+                             "Every page shows this workload's traffic (or all).")
+    span = _bound_choice("Time range", "range", list(TIME_RANGES), "time range",
+                         "Statistics and events newer than this (UTC, from now).")
+    since = None if TIME_RANGES[span] is None else q.utcnow() - TIME_RANGES[span]
+    return q.Scope(None if tenant == ALL_TENANTS else tenant, None if workload == ALL_WORKLOADS else workload, since)
+
+
+def sidebar(session: Session | None) -> None:
+    """The entrypoint's sidebar, shared by every page: database, selection, admin session, refresh."""
+    st.session_state[ENTRY_KEY] = True
+    st.sidebar.caption(f"Database: `{masked_url(database_url())}`")
+    if session is not None:
+        st.session_state["_hvd_scope"] = selection_sidebar(session)
+    _admin_inputs()
+    seconds = refresh_seconds()
+    on = seconds > 0 and st.sidebar.toggle(f"Auto-refresh every {seconds} s", value=True, key="refresh",
+                                           bind="query-params")
+    st.session_state["_hvd_refresh"] = seconds if on else 0
+    _auto_refresh(seconds if on else None)
+
+
+def _auto_refresh(seconds: int | None) -> None:
+    """Rerun the whole app every `seconds` (a fragment's timer; the full run itself does not rerun)."""
+    import time
+
+    st.session_state["_hvd_rendered"] = time.monotonic()
+
+    @st.fragment(run_every=seconds)
+    def tick() -> None:
+        if seconds and time.monotonic() - st.session_state.get("_hvd_rendered", 0.0) >= seconds - 0.5:
+            st.rerun(scope="app")
+
+    tick()
+
+
+def page_scope(session: Session) -> q.Scope:
+    """The selection this page shows (from the shared sidebar, or its own when run on its own)."""
+    if st.session_state.get(ENTRY_KEY) and "_hvd_scope" in st.session_state:
+        return st.session_state["_hvd_scope"]
+    return selection_sidebar(session)
+
+
+def describe(scope: q.Scope) -> str:
+    parts = [f"tenant {scope.tenant}" if scope.tenant else "all tenants",
+             f"workload {scope.workload}" if scope.workload else "all workloads",
+             f"since {fmt_ts(scope.since)}" if scope.since else "all time"]
+    return ", ".join(parts)
+
+
+def data_as_of(scope: q.Scope | None = None) -> None:
+    """When the figures were read, and what they cover: the page's first caption."""
+    seconds = st.session_state.get("_hvd_refresh", 0)
+    refresh = f"refreshes every {seconds} s" if seconds else "auto-refresh off"
+    covers = f" Showing {describe(scope)}." if scope is not None else ""
+    st.caption(f"Data as of {fmt_ts(q.utcnow())} ({refresh}).{covers}")
+
+
+def fmt_ts(at: datetime | None) -> str:
+    return "never" if at is None else f"{at:%Y-%m-%d %H:%M:%S} UTC"
+
+
+def fmt_age(age: timedelta | None) -> str:
+    """A duration as an operator reads it: 42 s, 3 min 5 s, 2 h 10 min, 4 d 3 h."""
+    if age is None:
+        return "n/a"
+    s = max(int(age.total_seconds()), 0)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60} s"
+    if s < 86400:
+        return f"{s // 3600} h {s % 3600 // 60} min"
+    return f"{s // 86400} d {s % 86400 // 3600} h"
+
+
 def fmt(value, digits: int = 3) -> str:
     if value is None:
         return "n/a"
+    if isinstance(value, bool):
+        return str(value)
     if isinstance(value, float):
-        return f"{value:.{digits}f}"
+        return f"{value:,.{digits}f}"
+    if isinstance(value, int):
+        return f"{value:,}"
     return str(value)
 
 

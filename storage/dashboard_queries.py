@@ -10,6 +10,7 @@ import json
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -29,9 +30,10 @@ from storage.models import (
     utcnow,
 )
 from storage.overrides import list_overrides, override_state, snapshot
-from storage.stats import HIST_BINS, LONG
+from storage.stats import ALL, HIST_BINS, LONG
 from storage.versions import CHAMPION, get_alias_version, version_problem
 
+TENANT_WIDE = "(all)"  # the workload column of an override for every workload of its tenant
 REQUIRED_TABLES = ("predictor_versions", "aliases", "decision_events", "stat_buckets", "tau_history", "tau_overrides")
 DEFAULT_SAMPLE = 50_000  # newest decision events used for calibration and the PR curve
 TAU_GRID: tuple[float, ...] = tuple(x / 2 for x in range(-2, 49))  # -1.0 .. 24.0 step 0.5
@@ -55,20 +57,40 @@ def _ratio(num: float, den: float) -> float | None:
     return None if not den else num / den
 
 
-def _filters(stmt, tenant: str | None, workload: str | None):
-    if tenant is not None:
-        stmt = stmt.where(StatBucket.tenant == tenant)
-    if workload is not None:
-        stmt = stmt.where(StatBucket.workload == workload)
+@dataclass(frozen=True)
+class Scope:
+    """What every page shows: one tenant or all (None), one workload or all, since a time or all time."""
+
+    tenant: str | None = None
+    workload: str | None = None
+    since: datetime | None = None
+
+
+ALL_TIME = Scope()
+
+
+def _scoped(stmt, scope: Scope, model=StatBucket):
+    """`stmt` limited to the scope, on the statistics buckets or the decision events."""
+    if scope.tenant is not None:
+        stmt = stmt.where(model.tenant == scope.tenant)
+    if scope.workload is not None:
+        stmt = stmt.where(model.workload == scope.workload)
+    if scope.since is not None:
+        stmt = stmt.where((model.bucket_start if model is StatBucket else model.at) >= scope.since)
     return stmt
 
 
 def tenants(session: Session) -> list[str]:
-    return list(session.scalars(select(StatBucket.tenant).distinct().order_by(StatBucket.tenant)))
+    """Every tenant with statistics or an override (the ones a selection or an edit may name)."""
+    from storage.models import TauOverride
+
+    seen = set(session.scalars(select(StatBucket.tenant).distinct())) | set(
+        session.scalars(select(TauOverride.tenant).distinct()))
+    return sorted(seen - {ALL})
 
 
 def workloads(session: Session) -> list[str]:
-    return list(session.scalars(select(StatBucket.workload).distinct().order_by(StatBucket.workload)))
+    return sorted(set(session.scalars(select(StatBucket.workload).distinct())) - {ALL})
 
 
 def _path_row(tokens: int, cycles: int, cache_verified: int, model_drafts: int) -> dict[str, Any]:
@@ -85,8 +107,6 @@ def _path_row(tokens: int, cycles: int, cache_verified: int, model_drafts: int) 
         "cycles_per_1k_cache": per_1k(cache_verified),
         "cycles_per_1k_model": per_1k(model_drafts),
         "cycles_per_1k_none": per_1k(none),
-        # Without speculation every token costs one decode cycle: speedup = tokens / cycles.
-        "speedup": _ratio(tokens, cycles),
     }
 
 
@@ -94,76 +114,126 @@ def _sums(*columns) -> tuple:
     return tuple(func.coalesce(func.sum(c), 0) for c in columns)
 
 
-def _totals(session: Session, sums: tuple, tenant: str | None, workload: str | None) -> list[int]:
-    return [int(v) for v in session.execute(_filters(select(*sums), tenant, workload)).one()]
+def _totals(session: Session, sums: tuple, scope: Scope) -> list[int]:
+    return [int(v) for v in session.execute(_scoped(select(*sums), scope)).one()]
 
 
-def _grouped(session: Session, key, sums: tuple, tenant: str | None = None,
-             workload: str | None = None) -> list[tuple[Any, list[int]]]:
+def _grouped(session: Session, key, sums: tuple, scope: Scope = ALL_TIME) -> list[tuple[Any, list[int]]]:
     """(value of `key`, its sums) in `key` order."""
-    stmt = _filters(select(key, *sums), tenant, workload).group_by(key).order_by(key)
+    stmt = _scoped(select(key, *sums), scope).group_by(key).order_by(key)
     return [(k, [int(v) for v in vals]) for k, *vals in session.execute(stmt)]
 
 
 _PATH_SUMS = _sums(StatBucket.tokens, StatBucket.cycles, StatBucket.cache_verified, StatBucket.model_drafts)
 
 
-def overview_totals(session: Session, tenant: str | None = None, workload: str | None = None) -> dict[str, Any]:
-    """Totals over all buckets (optionally one tenant/workload)."""
-    return _path_row(*_totals(session, _PATH_SUMS, tenant, workload))
+def overview_totals(session: Session, scope: Scope = ALL_TIME) -> dict[str, Any]:
+    """Totals over the scope's buckets."""
+    return _path_row(*_totals(session, _PATH_SUMS, scope))
 
 
-def overview_by_bucket(session: Session, tenant: str | None = None, workload: str | None = None) -> list[dict[str, Any]]:
-    """Per time bucket: tokens per cycle, cycles per 1000 tokens by decision path, speedup."""
+def overview_by_bucket(session: Session, scope: Scope = ALL_TIME) -> list[dict[str, Any]]:
+    """Per time bucket: tokens per cycle, cycles per 1000 tokens by decision path."""
     return [{"bucket_start": start, **_path_row(*sums)}
-            for start, sums in _grouped(session, StatBucket.bucket_start, _PATH_SUMS, tenant, workload)]
+            for start, sums in _grouped(session, StatBucket.bucket_start, _PATH_SUMS, scope)]
 
 
-def _quality(tp: int, fp: int, fn: int) -> dict[str, Any]:
-    return {"tp": tp, "fp": fp, "fn": fn, "precision": _ratio(tp, tp + fp), "recall": _ratio(tp, tp + fn)}
+@dataclass(frozen=True)
+class ServedCounts:
+    """What the scope's traffic did, as the cost model needs it (storage.stats counts, exact)."""
+
+    tokens: int
+    cycles: int
+    draft_tokens: int  # draft tokens verified (cache and model)
+    accepted_tokens: int
+    model_drafts: int
+    model_positions: int  # positions the model drafter drafted in all (sampled events)
+    tokens_by_workload: dict[str, int]
+    model_by_workload: dict[str, tuple[int, int]]  # workload -> (model drafts, accepted tokens), sampled events
 
 
-_CONF_SUMS = _sums(StatBucket.tp, StatBucket.fp, StatBucket.fn)
+def served_counts(session: Session, scope: Scope = ALL_TIME) -> ServedCounts:
+    tokens, cycles, draft, accepted, model = _totals(session, _sums(
+        StatBucket.tokens, StatBucket.cycles, StatBucket.draft_tokens, StatBucket.accepted_tokens,
+        StatBucket.model_drafts), scope)
+    by_workload = {w: sums[0] for w, sums in _grouped(session, StatBucket.workload, _sums(StatBucket.tokens), scope)
+                   if w != ALL and sums[0]}
+    stmt = _scoped(select(DecisionEvent.workload, func.count(), func.sum(DecisionEvent.accepted),
+                          func.sum(DecisionEvent.draft_len)).where(DecisionEvent.drafter == "model"),
+                   scope, DecisionEvent).group_by(DecisionEvent.workload)
+    model_by, calls, positions = {}, 0, 0
+    for w, n, acc, length in session.execute(stmt):
+        model_by[w] = (int(n), int(acc or 0))
+        calls, positions = calls + int(n), positions + int(length or 0)
+    # The raw events may be a pruned sample: scale their mean draft length to the buckets' count.
+    model_positions = round(model * positions / calls) if calls else 0
+    return ServedCounts(tokens, cycles, draft, accepted, model, model_positions, by_workload, model_by)
 
 
-def quality_totals(session: Session, tenant: str | None = None, workload: str | None = None) -> dict[str, Any]:
-    return _quality(*_totals(session, _CONF_SUMS, tenant, workload))
+def cache_drafts(session: Session, scope: Scope = ALL_TIME, limit: int = 200_000) -> list[tuple[str, int, int, int]]:
+    """The newest `limit` cache drafts of the scope (decision points and shadow drafts alike), each
+    (request id, position, draft length, hindsight label), for the suffix-alone counterfactual."""
+    stmt = (_scoped(select(DecisionEvent.request_id, DecisionEvent.position, DecisionEvent.draft_len,
+                           DecisionEvent.accepted).where(DecisionEvent.drafter == "cache"), scope, DecisionEvent)
+            .order_by(DecisionEvent.id.desc()).limit(limit))
+    return [(r, int(p), int(n), int(a)) for r, p, n, a in session.execute(stmt)]
 
 
-def quality_by_bucket(session: Session, tenant: str | None = None, workload: str | None = None) -> list[dict[str, Any]]:
-    """Precision/recall of "verify the cache draft" at accepted length >= LONG, per time bucket."""
+def _quality(tp: int, fp: int, fn: int, tn: int = 0) -> dict[str, Any]:
+    return {"tp": tp, "fp": fp, "fn": fn, "tn": tn, "labelled": tp + fp + fn + tn,
+            "precision": _ratio(tp, tp + fp), "recall": _ratio(tp, tp + fn)}
+
+
+_CONF_SUMS = _sums(StatBucket.tp, StatBucket.fp, StatBucket.fn, StatBucket.tn)
+
+
+def quality_totals(session: Session, scope: Scope = ALL_TIME) -> dict[str, Any]:
+    return _quality(*_totals(session, _CONF_SUMS, scope))
+
+
+def quality_by_bucket(session: Session, scope: Scope = ALL_TIME) -> list[dict[str, Any]]:
+    """Precision/recall of "predicted >= LONG" against "accepted >= LONG", per time bucket."""
     return [{"bucket_start": start, **_quality(*sums)}
-            for start, sums in _grouped(session, StatBucket.bucket_start, _CONF_SUMS, tenant, workload)]
+            for start, sums in _grouped(session, StatBucket.bucket_start, _CONF_SUMS, scope)]
 
 
-def quality_by_version(session: Session) -> list[dict[str, Any]]:
+def quality_by_workload(session: Session, scope: Scope = ALL_TIME) -> list[dict[str, Any]]:
+    """The question the product answers per workload: precision, recall and counts at >= LONG."""
+    return [{"workload": w, **_quality(*sums)}
+            for w, sums in _grouped(session, StatBucket.workload, _CONF_SUMS, scope) if w != ALL]
+
+
+def quality_by_version(session: Session, scope: Scope = ALL_TIME) -> list[dict[str, Any]]:
     return [{"version": int(v), **_quality(*sums)}
-            for v, sums in _grouped(session, StatBucket.predictor_version_id, _CONF_SUMS)]
+            for v, sums in _grouped(session, StatBucket.predictor_version_id, _CONF_SUMS, scope) if v]
 
 
-def accepted_histograms(session: Session, tenant: str | None = None, workload: str | None = None) -> list[dict[str, Any]]:
+def accepted_histograms(session: Session, scope: Scope = ALL_TIME) -> list[dict[str, Any]]:
     """Labelled cache drafts by accepted length (0..24, 24 = 24 or more) per workload (long form)."""
-    stmt = _filters(select(StatBucket.workload, StatBucket.accepted_hist), tenant, workload)
+    stmt = _scoped(select(StatBucket.workload, StatBucket.accepted_hist), scope)
     sums: dict[str, list[int]] = {}
     for wl, hist in session.execute(stmt):
+        if wl == ALL:
+            continue
         acc = sums.setdefault(wl, [0] * HIST_BINS)
         for i, n in enumerate(hist or []):
             acc[min(i, HIST_BINS - 1)] += int(n)
     return [{"workload": wl, "accepted": i, "drafts": n} for wl in sorted(sums) for i, n in enumerate(sums[wl])]
 
 
-def _cache_sample(session: Session, limit: int) -> list[tuple[float, int, str]]:
-    stmt = (select(DecisionEvent.predicted, DecisionEvent.accepted, DecisionEvent.workload)
-            .where(DecisionEvent.drafter == "cache", DecisionEvent.predicted.is_not(None))
+def _cache_sample(session: Session, scope: Scope, limit: int) -> list[tuple[float, int, str]]:
+    """The newest `limit` cache-drafter events the gate scored, in the scope."""
+    stmt = (_scoped(select(DecisionEvent.predicted, DecisionEvent.accepted, DecisionEvent.workload)
+                    .where(DecisionEvent.drafter == "cache", DecisionEvent.predicted.is_not(None)), scope, DecisionEvent)
             .order_by(DecisionEvent.id.desc()).limit(limit))
     return [(float(p), int(a), w) for p, a, w in session.execute(stmt)]
 
 
-def calibration(session: Session, limit: int = DEFAULT_SAMPLE) -> list[dict[str, Any]]:
+def calibration(session: Session, scope: Scope = ALL_TIME, limit: int = DEFAULT_SAMPLE) -> list[dict[str, Any]]:
     """Cache-drafter events binned by predicted accepted length (1-token bins): mean predicted vs
     mean observed. Calibrated = points on the diagonal."""
     bins: dict[int, list[float]] = {}
-    for p, a, _ in _cache_sample(session, limit):
+    for p, a, _ in _cache_sample(session, scope, limit):
         b = min(max(int(math.floor(p)), -1), HIST_BINS - 1)
         acc = bins.setdefault(b, [0.0, 0.0, 0])
         acc[0] += p
@@ -181,15 +251,25 @@ def latest_tau(session: Session) -> dict[str, float]:
     return {w: float(t) for w, t in session.execute(stmt)}
 
 
-def pr_curve(session: Session, grid: Sequence[float] = TAU_GRID, limit: int = DEFAULT_SAMPLE) -> list[dict[str, Any]]:
-    """For tau in the grid: precision/recall of (predicted > tau) against (accepted >= LONG)."""
-    sample = _cache_sample(session, limit)
+def pr_curves(session: Session, scope: Scope = ALL_TIME, grid: Sequence[float] = TAU_GRID,
+              limit: int = DEFAULT_SAMPLE) -> list[dict[str, Any]]:
+    """Per workload and threshold t of the grid: precision/recall of calling a cache draft long when
+    its predicted accepted length is >= t (t = LONG is the operating point of the quality table),
+    on the newest `limit` scored cache drafts of the scope."""
+    import numpy as np
+
+    sample = _cache_sample(session, scope, limit)
     out = []
-    for tau in grid:
-        tp = sum(1 for p, a, _ in sample if p > tau and a >= LONG)
-        fp = sum(1 for p, a, _ in sample if p > tau and a < LONG)
-        fn = sum(1 for p, a, _ in sample if p <= tau and a >= LONG)
-        out.append({"tau": float(tau), **_quality(tp, fp, fn)})
+    for wl in sorted({w for _, _, w in sample}):
+        pred = np.array([p for p, _, w in sample if w == wl])
+        long = np.array([a >= LONG for _, a, w in sample if w == wl])
+        for t in grid:
+            called = pred >= t
+            tp = int((called & long).sum())
+            fp = int((called & ~long).sum())
+            fn = int((~called & long).sum())
+            tn = int((~called & ~long).sum())
+            out.append({"workload": wl, "threshold": float(t), **_quality(tp, fp, fn, tn)})
     return out
 
 
@@ -217,9 +297,49 @@ def effective_taus(session: Session, known_workloads: Sequence[str], now: dateti
     return out
 
 
+def tau_change(session: Session, tenant: str, known_workloads: Sequence[str], *, set_spec=None,
+               clear_workload: str | None = None, now: datetime | None = None) -> list[dict[str, Any]]:
+    """Effective tau of `tenant` per workload before and after setting `set_spec` (validated first:
+    an OverrideError names the bad field) or clearing the override on (tenant, clear_workload), without
+    writing anything: what an edit's confirmation shows."""
+    from storage.overrides import ActiveOverride, OverrideSnapshot, validate_spec
+
+    now = utcnow() if now is None else now
+    before = snapshot(session, now=now)
+    if set_spec is not None:
+        spec = validate_spec(set_spec, known_workloads, now)
+        tenant, key = spec.tenant, (spec.tenant, spec.workload)
+        kept = [o for o in before.overrides if (o.tenant, o.workload) != key]
+        new = ActiveOverride(spec.tenant, spec.workload, spec.mode, spec.tau, spec.tau_min, spec.tau_max,
+                             spec.expires_at, id=max((o.id for o in kept), default=0) + 1)
+        after = OverrideSnapshot([*kept, new])
+    else:
+        after = OverrideSnapshot(o for o in before.overrides if (o.tenant, o.workload) != (tenant, clear_workload))
+    auto = latest_tau(session)
+    rows = []
+    for wl in known_workloads:
+        b = before.resolve(tenant, wl, auto.get(wl), float("nan"), now)
+        a = after.resolve(tenant, wl, auto.get(wl), float("nan"), now)
+        rows.append({"workload": wl, "before": _tau_words(b), "after": _tau_words(a), "changes": b[:3] != a[:3]})
+    return rows
+
+
+def _tau_words(eff) -> str:
+    """An effective tau as the confirmation shows it: the value (or what the mode does) and its source."""
+    if eff.mode == "off_model":
+        what = "gate off: always the model drafter"
+    elif eff.mode == "off_cache":
+        what = "gate off: always the whole cache draft"
+    elif eff.tau is None or math.isnan(eff.tau):
+        what = "allocator default (per step)"
+    else:
+        what = f"{eff.tau:.2f}"
+    return f"{what} ({eff.source})"
+
+
 def overrides_audit(session: Session, now: datetime | None = None) -> list[dict[str, Any]]:
     now = utcnow() if now is None else now
-    return [{"id": r.id, "state": override_state(r, now), "tenant": r.tenant, "workload": r.workload or "(all)",
+    return [{"id": r.id, "state": override_state(r, now), "tenant": r.tenant, "workload": r.workload or TENANT_WIDE,
              "mode": r.mode, "tau": r.tau, "tau_min": r.tau_min, "tau_max": r.tau_max, "expires_at": r.expires_at,
              "author": r.author, "reason": r.reason, "created_at": r.created_at, "cleared_at": r.cleared_at,
              "cleared_by": r.cleared_by, "clear_reason": r.clear_reason}
@@ -292,32 +412,90 @@ def database_size(session: Session) -> int | None:
     return None
 
 
-def health(session: Session) -> dict[str, Any]:
+# A replica's heartbeat row is rewritten at least every controller.services.event_writer.HEARTBEAT_S
+# (10 s) while it runs: older than STALE_AFTER it is late, older than DOWN_AFTER it is gone.
+STALE_AFTER = timedelta(seconds=60)
+DOWN_AFTER = timedelta(minutes=5)
+LEARNER_STALE_EVENTS = 20_000  # learner behind the event log by more than this is stale
+
+
+def age_state(age: timedelta | None, stale: timedelta = STALE_AFTER, down: timedelta = DOWN_AFTER) -> str:
+    """ok / stale / down for something that should be refreshed continuously (None: never seen: down)."""
+    if age is None or age > down:
+        return "down"
+    return "stale" if age > stale else "ok"
+
+
+def health(session: Session, now: datetime | None = None) -> dict[str, Any]:
+    now = utcnow() if now is None else now
     last_tau = session.scalar(select(func.max(TauHistory.at)))
     last_alias = session.scalar(select(func.max(AliasEvent.at)))
     updates = [t for t in (last_tau, last_alias) if t is not None]
+    replicas = [_replica(r, now) for r in replica_health(session)]
+    promotion = session.scalars(select(AliasEvent).order_by(AliasEvent.id.desc()).limit(1)).first()
     return {
+        "now": now,
         "decision_events": int(session.scalar(select(func.count()).select_from(DecisionEvent)) or 0),
         "dropped_events": int(session.scalar(select(*_sums(StatBucket.dropped_events))) or 0),
         "drift_events": int(session.scalar(select(func.count()).select_from(DriftEvent)) or 0),
         "last_event_at": session.scalar(select(func.max(DecisionEvent.at))),
         "last_bucket_at": session.scalar(select(func.max(StatBucket.bucket_start))),
         "last_learner_update": max(updates) if updates else None,
+        "last_promotion": None if promotion is None else {
+            "at": promotion.at, "age": now - promotion.at, "alias": promotion.alias_name,
+            "from_version": promotion.from_version_id, "to_version": promotion.to_version_id,
+            "actor": promotion.actor, "reason": promotion.reason},
+        "learner": learner_lag(session, replicas, now),
         "database_bytes": database_size(session),
         "champion": champion_status(session),
-        "replicas": [_replica(r) for r in replica_health(session)],
+        "replicas": replicas,
     }
+
+
+def learner_lag(session: Session, replicas: list[dict[str, Any]], now: datetime) -> dict[str, Any]:
+    """How far the leading learner is behind the event log, in events and in seconds of traffic
+    (newest stored event minus the event at its cursor), from the cursor it reports in its
+    heartbeat. State: ok; stale when it lags by more than LEARNER_STALE_EVENTS or its replica's
+    heartbeat is late; down when no live replica runs a learner."""
+    learners = [(r, x) for r in replicas for x in r["service_list"] if x["name"] == "hvd-learner"]
+    live = [(r, x) for r, x in learners if x["state"] != "stopped" and r["heartbeat_state"] != "down"]
+    leading = [(r, x) for r, x in live if (x.get("progress") or {}).get("leading")]
+    if not leading:
+        return {"replica": None, "state": "down", "lag_events": None, "lag_seconds": None, "cursor": None,
+                "cursor_at": None, "why": "no running replica leads the learner" if learners else
+                "no replica runs the learner"}
+    r, x = max(leading, key=lambda rx: rx[0]["updated_at"])
+    cursor = int(x["progress"].get("cursor") or 0)
+    at = x["progress"].get("cursor_at")
+    cursor_at = datetime.fromtimestamp(at, timezone.utc) if isinstance(at, (int, float)) else None
+    behind = int(session.scalar(select(func.count()).select_from(DecisionEvent).where(DecisionEvent.id > cursor)) or 0)
+    newest = session.scalar(select(func.max(DecisionEvent.at)))
+    seconds = 0.0 if not behind else (
+        (newest - cursor_at).total_seconds() if newest is not None and cursor_at is not None else None)
+    state = "ok"
+    why = f"{behind:,} events behind the log"
+    if r["heartbeat_state"] != "ok" or x["state"] != "ok":
+        state, why = "stale", f"its replica {r['replica']} is {r['heartbeat_state']}, the learner {x['state']}"
+    elif behind > LEARNER_STALE_EVENTS:
+        state = "stale"
+    return {"replica": r["replica"], "state": state, "lag_events": behind, "lag_seconds": seconds,
+            "cursor": cursor, "cursor_at": cursor_at, "why": why}
 
 
 CHAMPION_NOT_LOADED = "champion not loaded: "  # how the control poller reports it (its last_error)
 
 
-def _replica(r: ReplicaHealth) -> dict[str, Any]:
-    """One heartbeat row, its services JSON read into `service_list` (one dict per service)."""
+def _replica(r: ReplicaHealth, now: datetime) -> dict[str, Any]:
+    """One heartbeat row, its services JSON read into `service_list` (one dict per service), its
+    age and state: ok / stale / down, or "shut down" when its last heartbeat said every service had
+    stopped (a clean exit, not an outage)."""
     service_list = _services(r.services)
     problem = next((s["last_error"][len(CHAMPION_NOT_LOADED):] for s in service_list
                     if (s["last_error"] or "").startswith(CHAMPION_NOT_LOADED)), "")
-    return {"replica": r.replica, "updated_at": r.updated_at, "queue_depth": r.queue_depth,
+    age = now - r.updated_at
+    stopped = bool(service_list) and all(s["state"] == "stopped" for s in service_list)
+    return {"replica": r.replica, "updated_at": r.updated_at, "age": age,
+            "heartbeat_state": "shut down" if stopped else age_state(age), "queue_depth": r.queue_depth,
             "events_written": r.events_written, "events_dropped": r.events_dropped,
             "events_dead_lettered": r.events_dead_lettered, "flush_ms": round(r.flush_ms, 2),
             "services": ", ".join(f"{s['name']}: {s['state']}" for s in service_list),
@@ -341,11 +519,26 @@ def _services(services: str | None) -> list[dict[str, Any]]:
                      "failing": int(s.get("failing") or 0), "failures": int(s.get("failures") or 0),
                      "last_error": None if s.get("last_error") is None else str(s["last_error"]),
                      "last_success": datetime.fromtimestamp(success, timezone.utc)
-                     if isinstance(success, (int, float)) else None})
+                     if isinstance(success, (int, float)) else None,
+                     "progress": s.get("progress") if isinstance(s.get("progress"), dict) else None})
     return rows
 
 
 def drift_events(session: Session, limit: int = 200) -> list[dict[str, Any]]:
     stmt = select(DriftEvent).order_by(DriftEvent.id.desc()).limit(limit)
     return [{"at": d.at, "workload": d.workload, "detector": d.detector, "version": d.predictor_version_id,
-             "detail": d.detail} for d in session.scalars(stmt)]
+             "detail": d.detail, "words": drift_in_words(d)} for d in session.scalars(stmt)]
+
+
+def drift_in_words(d: DriftEvent) -> str:
+    """What a drift event means for an operator, in one sentence."""
+    detail = d.detail if isinstance(d.detail, dict) else {}
+    detector = "ADWIN" if d.detector == "adwin" else d.detector
+    what = (f"{detector} saw the champion's prediction error on {d.workload} change"
+            + (f" (mean absolute error now {detail['error_mean']:.2f} tokens)"
+               if isinstance(detail.get("error_mean"), (int, float)) else ""))
+    seen = (f" after {int(detail['events_seen']):,} labelled drafts"
+            if isinstance(detail.get("events_seen"), (int, float)) else "")
+    version = f" of version v{d.predictor_version_id}" if d.predictor_version_id is not None else ""
+    return (f"{d.at:%Y-%m-%d %H:%M:%S} UTC: {what}{seen}{version}; the learner reset {d.workload}'s fast "
+            "calibration, trains harder for a while and re-tunes its tau.")

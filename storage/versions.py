@@ -25,6 +25,15 @@ BlobCheck = Callable[[bytes], None]
 load a model itself (it imports no predictor code), so whoever knows the model passes one."""
 
 
+class NoOpAliasMove(StorageError, ValueError):
+    """A move of an alias to the version it already names: refused, so the audit log records only
+    real changes."""
+
+    def __init__(self, name: str, version_id: int) -> None:
+        self.name, self.version_id = name, version_id
+        super().__init__(f"{name} already is v{version_id}; nothing changed")
+
+
 class UnloadableVersionError(StorageError, ValueError):
     """A version whose blob does not load or score; no alias may point at it."""
 
@@ -124,7 +133,8 @@ def set_alias(session: Session, name: str, version_id: int, *, reason: str, acto
               check: BlobCheck | None = None) -> None:
     """Point ``name`` at a version and record the move, so promotions are auditable. The blob is
     verified first (its checksum here, loading and scoring through ``check``): an alias at a
-    version no replica can load would stop every replica following it."""
+    version no replica can load would stop every replica following it. A move to the version the
+    alias already names is refused (NoOpAliasMove)."""
     problem = version_problem(get_version(session, version_id), check)
     if problem is not None:
         raise UnloadableVersionError(version_id, problem)
@@ -133,6 +143,8 @@ def set_alias(session: Session, name: str, version_id: int, *, reason: str, acto
     alias = session.get(Alias, name, with_for_update=True)
     now = utcnow()
     previous = alias.version_id if alias is not None else None
+    if previous == version_id:
+        raise NoOpAliasMove(name, version_id)
     if alias is None:
         session.add(Alias(name=name, version_id=version_id, updated_at=now))
     else:

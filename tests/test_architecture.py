@@ -1,4 +1,5 @@
-"""Dependencies point one way: controller -> predictor -> storage, dashboard -> storage. Every import
+"""Dependencies point one way: controller -> predictor -> storage, dashboard -> storage (and the pure
+cost model of predictor). Every import
 in the packages counts, lazy ones inside functions too (ast.walk sees them), and every import of a
 project module must name one that exists (a lazy import left behind by a move fails only when run)."""
 from __future__ import annotations
@@ -14,7 +15,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "storage": (),
     "predictor": ("storage",),
     "controller": ("predictor", "storage"),
-    "dashboard": ("storage",),
+    # The dashboard prices traffic with the cost profiles and counterfactuals (pure code), never the controller.
+    "dashboard": ("storage", "predictor.profiles", "predictor.baselines"),
     # The EAGLE3 trainer starts vLLM the way the engines do and reads the bundled traces.
     "eagle3_training": ("controller.engines", "predictor", "storage"),
 }

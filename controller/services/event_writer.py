@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from controller.services.stats_writer import StatsWriter
 
 DEAD_LETTER_FILE = "dead_letter_events.jsonl"
+HEARTBEAT_S = 10.0  # an idle replica still writes its heartbeat row this often (the Health page ages it)
 
 
 def default_spill_dir() -> Path:
@@ -131,6 +132,7 @@ class EventWriter(BackgroundService):
         self.writer_id = secrets.token_hex(16)
         self._in_doubt: tuple[int, frozenset[int]] | None = None  # a chunk whose commit's answer was lost
         self._retry_at = 0.0  # monotonic time before which a round only drains the queue
+        self._beat_at = float("-inf")  # monotonic time of the last heartbeat row
 
     def round(self) -> float:
         # Batch by time: one wake-up per interval, not one per event. On a CPU-bound host the
@@ -147,6 +149,14 @@ class EventWriter(BackgroundService):
                 return self.interval
             if self._unpruned >= self.prune_every:
                 self.prune()
+        elif self.replica is not None and time.monotonic() - self._beat_at >= HEARTBEAT_S:
+            try:
+                with session_scope(self.engine) as session:
+                    self._heartbeat(session, 0)
+            except Exception as exc:  # an outage: logged once, retried with back-off like a write
+                self.failed(exc)
+                self._retry_at = time.monotonic() + self.retry.failed()
+                return self.interval
         self.succeeded()
         return 0.0 if self.events.depth() >= self.batch_size else self.interval
 
@@ -309,6 +319,7 @@ class EventWriter(BackgroundService):
     def _heartbeat(self, session, batch: int) -> None:
         if self.replica is None:
             return
+        self._beat_at = time.monotonic()
         services = None if self.services is None else json.dumps([h.to_json() for h in self.services()])
         record_health(session, replica=self.replica, queue_depth=self.events.depth(),
                       events_written=self.written + batch, events_dropped=self.events.dropped + self.dropped,

@@ -50,14 +50,20 @@ class Health:
     last_error: str | None
     last_success: float | None  # unix time
     failing: int = 0  # failures since the last success: > 0 means retrying with back-off
+    # How far the service has got, for services that follow the event log (the learner's cursor):
+    # {"cursor": last event id read, "cursor_at": unix time of that event}; None for the others.
+    progress: dict | None = None
 
     @property
     def state(self) -> str:
         return "stopped" if not self.running else "retrying" if self.failing else "ok"
 
     def to_json(self) -> dict:
-        return {"name": self.name, "state": self.state, "failures": self.failures, "failing": self.failing,
-                "last_error": self.last_error, "last_success": self.last_success}
+        out = {"name": self.name, "state": self.state, "failures": self.failures, "failing": self.failing,
+               "last_error": self.last_error, "last_success": self.last_success}
+        if self.progress is not None:
+            out["progress"] = self.progress
+        return out
 
 
 def first_line(exc: BaseException) -> str:
@@ -107,7 +113,11 @@ class BackgroundService:
 
     def health(self) -> Health:
         return Health(self.name, self._thread is not None and self._thread.is_alive(), self.failures,
-                      self.last_error, self.last_success, self.failing)
+                      self.last_error, self.last_success, self.failing, self.progress())
+
+    def progress(self) -> dict | None:
+        """Where the service stands in the event log (see Health.progress); None: not applicable."""
+        return None
 
     def failed(self, exc: BaseException) -> None:
         """Count a failure (the round that saw it returns `self.retry.failed()`); the first of a

@@ -2,11 +2,16 @@
 each replica's background services."""
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pandas as pd
 import streamlit as st
 
-from dashboard.common import admin_sidebar, engine_or_stop, fmt, fmt_bytes, read_session, stop_if_empty
+from dashboard.common import (admin_sidebar, data_as_of, engine_or_stop, fmt, fmt_age, fmt_bytes, fmt_ts,
+                              read_session, stop_if_empty)
 from storage import dashboard_queries as q
+
+STATE_MARK = {"ok": "🟢 ok", "stale": "🟠 stale", "down": "🔴 down", "shut down": "⚪ shut down"}
 
 st.title("Health")
 admin_sidebar()
@@ -15,17 +20,48 @@ with read_session(engine) as s:
     stop_if_empty(s)
     h = q.health(s)
     drifts = q.drift_events(s)
+data_as_of()
+now = h["now"]
 
-m = st.columns(5)
+m = st.columns(4)
 m[0].metric("Decision events stored", fmt(h["decision_events"]))
 m[1].metric("Dropped events", fmt(h["dropped_events"]))
 m[2].metric("Drift events", fmt(h["drift_events"]))
 m[3].metric("Database size", fmt_bytes(h["database_bytes"]))
-m[4].metric("Last learner update", h["last_learner_update"].strftime("%Y-%m-%d %H:%M:%S UTC")
-            if h["last_learner_update"] else "never")
-st.caption("Good: dropped events stays 0 (the event queue never filled), the last learner update is recent "
-           "while serving, and drift events are rare.")
-st.write(f"Last decision event: {h['last_event_at'] or 'none'}; last statistics bucket: {h['last_bucket_at'] or 'none'}.")
+
+st.subheader("Ages")
+lag = h["learner"]
+promo = h["last_promotion"]
+newest_beat = max((r["updated_at"] for r in h["replicas"]), default=None)
+ages = [
+    {"What": "Newest replica heartbeat", "State": STATE_MARK[q.age_state(None if newest_beat is None else now - newest_beat)],
+     "Age": fmt_age(None if newest_beat is None else now - newest_beat), "At": fmt_ts(newest_beat),
+     "Detail": f"ok within {fmt_age(q.STALE_AFTER)}, down after {fmt_age(q.DOWN_AFTER)}"},
+    {"What": "Learner", "State": STATE_MARK[lag["state"]],
+     "Age": "n/a" if lag["lag_seconds"] is None else f"{fmt_age(timedelta(seconds=lag['lag_seconds']))} of traffic behind",
+     "At": fmt_ts(lag["cursor_at"]),
+     "Detail": (f"replica {lag['replica']}: {lag['why']} (cursor at event {lag['cursor']:,}; stale beyond "
+                f"{q.LEARNER_STALE_EVENTS:,})") if lag["replica"] else lag["why"]},
+    {"What": "Last learner update (tau or alias)", "State": "",
+     "Age": fmt_age(None if h["last_learner_update"] is None else now - h["last_learner_update"]),
+     "At": fmt_ts(h["last_learner_update"]), "Detail": ""},
+    {"What": "Last promotion or rollback", "State": "", "Age": fmt_age(None if promo is None else promo["age"]),
+     "At": fmt_ts(None if promo is None else promo["at"]),
+     "Detail": "none yet" if promo is None else
+     (f"{promo['alias']}: v{promo['from_version']} -> v{promo['to_version']} by {promo['actor']} ({promo['reason']})"
+      if promo["from_version"] is not None else f"{promo['alias']}: v{promo['to_version']} by {promo['actor']}")},
+    {"What": "Last decision event", "State": "",
+     "Age": fmt_age(None if h["last_event_at"] is None else now - h["last_event_at"]),
+     "At": fmt_ts(h["last_event_at"]), "Detail": ""},
+    {"What": "Last statistics bucket", "State": "",
+     "Age": fmt_age(None if h["last_bucket_at"] is None else now - h["last_bucket_at"]),
+     "At": fmt_ts(h["last_bucket_at"]), "Detail": "1-minute buckets"},
+]
+st.dataframe(pd.DataFrame(ages), hide_index=True, width="stretch")
+if lag["state"] != "ok":
+    st.warning(f"Learner {lag['state']}: {lag['why']}.")
+st.caption("Good: heartbeats seconds old, the learner ok and a few events behind. Stale: late or far behind; "
+           "down: no heartbeat for minutes, or no running learner.")
 st.subheader("Champion")
 c = h["champion"]
 if c["version"] is None:
@@ -46,7 +82,8 @@ else:
     if not (c["stale"] or c["problem"] or any(r["champion_not_loaded"] for r in h["replicas"])):
         st.success(f"Champion v{c['version']}: every decision since {c['since']:%Y-%m-%d %H:%M:%S} UTC came from it.")
 st.subheader("Serving replicas")
-REPLICA_COLUMNS = {"replica": "Replica", "updated_at": "Last heartbeat (UTC)", "queue_depth": "Queue depth",
+REPLICA_COLUMNS = {"replica": "Replica", "state": "State", "age": "Heartbeat age", "updated_at": "Last heartbeat (UTC)",
+                   "queue_depth": "Queue depth",
                    "events_written": "Events written", "events_dropped": "Events dropped",
                    "events_dead_lettered": "Events dead-lettered", "flush_ms": "Flush latency (ms)",
                    "services": "Services"}
@@ -58,8 +95,11 @@ if h["replicas"]:
     r[0].metric("Event queue depth (deepest replica)", fmt(worst["queue_depth"]))
     r[1].metric("Writer flush latency (ms, slowest replica)", f"{max(x['flush_ms'] for x in h['replicas']):.1f}")
     r[2].metric("Dead-lettered events (all replicas)", fmt(sum(x["events_dead_lettered"] for x in h["replicas"])))
-    st.dataframe(pd.DataFrame(h["replicas"])[list(REPLICA_COLUMNS)].rename(columns=REPLICA_COLUMNS),
-                 hide_index=True, width="stretch")
+    table = pd.DataFrame(h["replicas"])
+    table["state"] = table["heartbeat_state"].map(STATE_MARK)
+    table["age"] = table["age"].map(fmt_age)
+    st.dataframe(table[list(REPLICA_COLUMNS)].rename(columns=REPLICA_COLUMNS), hide_index=True, width="stretch",
+                 column_config={"Last heartbeat (UTC)": st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")})
     st.caption("Good: queue depth near 0 and flush latency in milliseconds; a growing queue means the writer "
                "cannot keep up and events will be dropped (counted above). Dead-lettered events are ones the "
                "database refused: set aside in `dead_letter_events` (or the spill file) with the reason.")
@@ -90,6 +130,9 @@ else:
     st.info("No replica has reported yet: heartbeats arrive with the first written events.")
 st.subheader("Drift events (newest first)")
 if drifts:
-    st.dataframe(pd.DataFrame(drifts), hide_index=True, width="stretch")
+    for d in drifts[:20]:
+        st.markdown(f"- {d['words']}")
+    if len(drifts) > 20:
+        st.caption(f"... and {len(drifts) - 20:,} older drift events.")
 else:
     st.info("No drift detected.")

@@ -4,10 +4,26 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard.common import admin_sidebar, engine_or_stop, read_session, stop_if_empty
+from dashboard.common import admin_sidebar, data_as_of, engine_or_stop, read_session, stop_if_empty
 from storage import dashboard_queries as q
 from storage.engine import session_scope
-from storage.versions import CHAMPION, UnloadableVersionError, get_alias_version, set_alias
+from storage.versions import CHAMPION, NoOpAliasMove, UnloadableVersionError, get_alias_version, set_alias
+
+FLASH = "_hvd_versions_flash"
+DATETIME = st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")
+
+
+def metrics_text(metrics: dict | None) -> str:
+    """A version's stored metrics as one readable line: numbers rounded, nested values skipped."""
+    if not isinstance(metrics, dict) or not metrics:
+        return ""
+    parts = []
+    for key, value in metrics.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        parts.append(f"{key.replace('_', ' ')} {value:,.3f}" if isinstance(value, float) else
+                     f"{key.replace('_', ' ')} {value:,}")
+    return "; ".join(parts[:8]) + (" …" if len(parts) > 8 else "")
 
 st.title("Versions")
 admin = admin_sidebar()
@@ -18,6 +34,9 @@ with read_session(engine) as s:
     events = q.alias_events(s)
     champ = get_alias_version(s, CHAMPION)
     champ_id, champ_parent = (champ.id, champ.parent_id) if champ is not None else (None, None)
+data_as_of()
+if FLASH in st.session_state:
+    st.success(st.session_state.pop(FLASH))
 
 m = st.columns(3)
 m[0].metric("Champion version", f"v{champ_id}" if champ_id is not None else "none")
@@ -27,10 +46,14 @@ m[2].metric("Alias moves", str(len(events)))
 st.subheader("Lineage")
 if rows:
     df = pd.DataFrame(rows)
-    df["metrics"] = df["metrics"].map(lambda m: str(m)[:200])
-    st.dataframe(df, hide_index=True, width="stretch")
-    st.caption("parent_id links each version to the one it was trained from; aliases shows what is live; "
-               "unloadable names a version whose stored blob no longer matches its checksum (never promoted).")
+    df["metrics"] = df["metrics"].map(metrics_text)
+    st.dataframe(df.rename(columns={"id": "Version", "parent_id": "Trained from", "created_at": "Created (UTC)",
+                                    "kind": "Kind", "aliases": "Live as", "unloadable": "Unloadable because",
+                                    "metrics": "Metrics", "reason": "Why created", "created_by": "Created by"}),
+                 hide_index=True, width="stretch", column_config={"Created (UTC)": DATETIME})
+    st.caption("Trained from links each version to the one it was trained from; Live as shows the aliases naming it "
+               "(champion, or champion/<workload> for a workload's own champion); Unloadable names a version whose "
+               "stored blob no longer matches its checksum (never promoted).")
 else:
     st.info("No predictor versions: run `make warmstart`.")
 
@@ -41,7 +64,8 @@ disabled = not admin.can_edit
 reason = st.text_input("Reason (required)", key="version_reason", disabled=disabled)
 c = st.columns(2)
 ids = [r["id"] for r in rows]
-target = c[0].selectbox("Version to promote", ids, index=len(ids) - 1 if ids else None, disabled=disabled)
+target = c[0].selectbox("Version to promote", ids, index=len(ids) - 1 if ids else None, disabled=disabled, key="promote_version",
+                        format_func=lambda v: f"v{v}" + (" (the champion now)" if v == champ_id else ""))
 promote = c[0].button("Promote to champion", disabled=disabled or not ids)
 c[1].write(f"Roll back: champion v{champ_id} -> parent "
            + (f"v{champ_parent}" if champ_parent is not None else "(none: the champion has no parent)"))
@@ -57,10 +81,15 @@ def move(to_version: int, why: str) -> None:
         try:
             with session_scope(engine) as s:
                 set_alias(s, CHAMPION, int(to_version), reason=f"{why}: {reason.strip()}", actor=admin.name)
+        except NoOpAliasMove:
+            st.error(f"v{to_version} already is the champion; nothing changed.")
+            return
         except UnloadableVersionError as exc:
             st.error(f"{exc}; nothing changed.")
             return
-        st.success(f"champion: v{champ_id} -> v{to_version} ({why}, by {admin.name}). Replicas pick it up within seconds.")
+        st.session_state[FLASH] = (f"champion: v{champ_id} -> v{to_version} ({why}, by {admin.name}). Replicas pick "
+                                   "it up within seconds.")
+        st.rerun()  # the lineage and the log show the move
 
 
 if promote and target is not None:
@@ -72,14 +101,19 @@ st.subheader("Promotion log (newest first)")
 with read_session(engine) as s:
     events = q.alias_events(s)
     fitted = q.calibrations(s)
-st.dataframe(pd.DataFrame(events), hide_index=True, width="stretch")
+st.dataframe(pd.DataFrame(events).rename(columns={
+    "id": "#", "at": "At (UTC)", "alias": "Alias", "from_version": "From version", "to_version": "To version",
+    "actor": "By", "reason": "Why"}), hide_index=True, width="stretch", column_config={"At (UTC)": DATETIME})
 st.caption("champion/<workload> is a workload's own champion: the learner promotes per workload where its challenger "
            "wins a counterfactual replay of the newest held-back drafts, and rolls back automatically when the next "
            "window shows a regression.")
 
 st.subheader("Fast calibrations")
 if fitted:
-    st.dataframe(pd.DataFrame(fitted), hide_index=True, width="stretch")
+    st.dataframe(pd.DataFrame(fitted).rename(columns={
+        "workload": "Workload", "tenant": "Tenant", "version": "Corrects version", "drafts": "Fitted on drafts",
+        "mean_bias": "Mean bias", "mean_slope": "Mean slope", "updated": "Updated (UTC)", "reason": "Why"}),
+        hide_index=True, width="stretch", column_config={"Updated (UTC)": DATETIME})
     st.caption("Per-position logistic corrections of the serving champion's survival curves, refitted every few "
                "hundred labelled drafts per workload (and per tenant with enough traffic), reset on drift and when "
                "the workload's champion changes.")
