@@ -44,6 +44,7 @@ class LearnerStats:
     promotions: list[int] = field(default_factory=list)
     drifts: list[tuple[str, int]] = field(default_factory=list)
     cursor: int = 0
+    cursor_at: float | None = None  # unix time of the event at the cursor
     last_update: datetime | None = None
     calibrations: int = 0  # scopes refitted
     rollbacks: list[tuple[str, int, int]] = field(default_factory=list)  # (workload, from version, back to)
@@ -78,6 +79,10 @@ class LearnerService(BackgroundService):
             with session_scope(engine) as s:
                 self.stats.cursor = last_event_id(s)
 
+    def progress(self) -> dict | None:
+        """The learner's cursor, so the Health page can show how far it lags the event log."""
+        return {"cursor": self.stats.cursor, "cursor_at": self.stats.cursor_at, "leading": self._leading}
+
     # ---------------------------------------------------------------- one round
     def run_once(self) -> int:
         """Learn from the next batch of stored events; returns how many events were read."""
@@ -87,6 +92,7 @@ class LearnerService(BackgroundService):
         if not rows:
             return 0
         self.stats.cursor = rows[-1].id
+        self.stats.cursor_at = rows[-1].at.timestamp()
         decided_workload, decided_tau = [], []
         for r in rows:
             if r.drafter == "model":
