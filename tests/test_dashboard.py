@@ -178,6 +178,15 @@ def test_quality_and_health_figures_worked_out_by_hand(known_db):
     assert shown["Precision at accepted ≥ 6"] == "0.750"  # 6 / 8
     assert shown["Recall at accepted ≥ 6"] == "0.667"  # 6 / 9
     assert shown["Long cache drafts (TP + FN)"] == "9"
+    at = run(page("quality"))
+    table = at.table[0].value
+    # code_edit: tp 3 + 2, fp 1 + 0, fn 2 + 1; chat: tp 1, fp 1, fn 0
+    assert table.loc["code_edit", ["Precision", "Recall", "True positives"]].tolist() == ["0.833", "0.625", "5"]
+    assert table.loc["chat", ["Precision", "Recall", "False positives"]].tolist() == ["0.500", "1.000", "1"]
+    at.selectbox(key="workload").select("chat")  # the shared selection narrows every figure
+    shown = metrics(run(at))
+    assert (shown["Precision at accepted ≥ 6"], shown["Recall at accepted ≥ 6"]) == ("0.500", "1.000")
+    assert list(at.table[0].value.index) == ["chat"]
     shown = metrics(run(page("health")))
     assert shown["Decision events stored"] == "3"
     assert shown["Dropped events"] == "4"
@@ -247,8 +256,8 @@ def test_missing_or_wrong_token_refuses_edits(db, monkeypatch):
 
 def _confirmation(at: AppTest) -> dict[str, tuple[str, str]]:
     """The confirmation table: workload -> (effective tau before, after)."""
-    table = next(d.value for d in at.dataframe if list(d.value.columns) == ["Workload", "Before", "After", "Changes"])
-    return {r.Workload: (r.Before, r.After) for r in table.itertuples()}
+    table = at.table[0].value
+    return {w: (r["Effective tau before"], r["Effective tau after"]) for w, r in table.iterrows()}
 
 
 def test_override_through_the_form_reaches_resolution(db, monkeypatch):

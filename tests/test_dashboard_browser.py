@@ -1,6 +1,8 @@
 """The running dashboard in a real browser: Debian Chromium driven by Playwright (no browser download).
 Loads each page of `streamlit run dashboard/app.py` on a database filled by a real short serve, waits for
-it to render, asserts key elements and saves screenshots to var/screenshots/<page>.png."""
+it to render, asserts key elements and saves screenshots to var/screenshots/<page>-<width>x<height>.png;
+checks the per-workload figures against the raw decision events, the admin session across pages, the
+shared selection in the URL, and an override made through the form with its confirmation."""
 from __future__ import annotations
 
 import os
@@ -21,12 +23,16 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 # url path -> text that must be on the rendered page. The default page (Overview) lives at "/":
 # st.navigation serves no "/overview", it shows "Page not found" and then runs the main page.
 PAGES = {
-    "": ["Overview", "Tokens per cycle", "Estimated speedup vs no speculation"],
-    "quality": ["Predictor quality", "Precision at accepted ≥ 6", "Calibration"],
+    "": ["Overview", "Tokens per cycle", "Speedup vs no speculation (cost profile)", "Suffix cache alone",
+         "Data as of"],
+    "quality": ["Predictor quality", "Precision at accepted ≥ 6", "Per workload, at accepted length ≥ 6",
+                "Calibration"],
     "thresholds": ["Thresholds", "Live tau", "Set or clear an override", "Override audit"],
     "versions": ["Versions", "Champion version", "Promotion log"],
-    "health": ["Health", "Decision events stored", "Dropped events", "Database size"],
+    "health": ["Health", "Decision events stored", "Ages", "Database size"],
 }
+VIEWPORTS = [(1440, 900), (390, 844)]
+TOKEN = "browser-token"
 
 if not CHROMIUM.exists():
     if os.environ.get("HVD_REQUIRE_BROWSER"):
@@ -52,6 +58,7 @@ def app_url(tmp_path_factory):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("HVD_")}
     env["HVD_DATABASE_URL"] = db
+    env["HVD_ADMIN_TOKEN"] = TOKEN
     log = tmp_path_factory.mktemp("streamlit") / "streamlit.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -72,7 +79,7 @@ def app_url(tmp_path_factory):
             if proc.poll() is not None or time.time() > deadline:
                 pytest.fail(f"streamlit did not come up:\n{log.read_text()}", pytrace=False)
             time.sleep(0.3)
-        yield base
+        yield base, db
     finally:
         proc.terminate()
         try:
@@ -89,21 +96,172 @@ def browser():
         b.close()
 
 
+def rendered(page, timeout: int = 60_000) -> None:
+    """Wait for the script run to finish (Streamlit streams elements while it runs)."""
+    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=timeout)
+
+
+@pytest.mark.parametrize("viewport", VIEWPORTS, ids=[f"{w}x{h}" for w, h in VIEWPORTS])
 @pytest.mark.parametrize("path", list(PAGES), ids=[p or "overview" for p in PAGES])
-def test_page_renders_in_chromium(app_url, browser, path):
-    page = browser.new_page(viewport={"width": 1400, "height": 1800})
+def test_page_renders_in_chromium(app_url, browser, path, viewport):
+    base, _ = app_url
+    width, height = viewport
+    page = browser.new_page(viewport={"width": width, "height": height})
     try:
-        page.goto(f"{app_url}/{path}", wait_until="domcontentloaded")
+        page.goto(f"{base}/{path}", wait_until="domcontentloaded")
         page.wait_for_selector('[data-testid="stMetric"]', timeout=60_000)
-        # Elements stream in while the script runs; wait for each one rather than for a quiet page.
         for needle in PAGES[path]:
             page.get_by_text(needle).first.wait_for(timeout=60_000)
-        page.wait_for_function(
-            "() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=60_000)
+        rendered(page)
         text = page.inner_text("body")
         assert "Page not found" not in text, text[:2000]
         assert page.query_selector('[data-testid="stException"]') is None, text[:2000]
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(SCREENSHOTS / f"{path or 'overview'}.png"), full_page=True)
+        page.screenshot(path=str(SCREENSHOTS / f"{path or 'overview'}-{width}x{height}.png"), full_page=True)
+    finally:
+        page.close()
+
+
+def raw_quality(db: str) -> dict[str, tuple[str, str, int]]:
+    """Precision, recall (as shown, 3 decimals) and scored drafts per workload, from the raw decision
+    events with sqlite3: the dashboard's own queries are not used."""
+    import sqlite3
+
+    counts: dict[str, list[int]] = {}
+    with sqlite3.connect(db.removeprefix("sqlite:///")) as conn:
+        for workload, predicted, accepted in conn.execute(
+                "SELECT workload, predicted, accepted FROM decision_events WHERE drafter = 'cache' "
+                "AND predicted IS NOT NULL"):
+            c = counts.setdefault(workload, [0, 0, 0, 0])
+            c[(0 if accepted >= 6 else 1) if predicted >= 6 else (2 if accepted >= 6 else 3)] += 1
+    fmt = (lambda n, d: "n/a" if not d else f"{n / d:.3f}")
+    return {w: (fmt(tp, tp + fp), fmt(tp, tp + fn), tp + fp + fn + tn) for w, (tp, fp, fn, tn) in counts.items()}
+
+
+def shown_table(page) -> dict[str, dict[str, str]]:
+    """The first st.table on the page: row label -> column -> text."""
+    table = page.locator('[data-testid="stTable"] table').first
+    table.wait_for(timeout=60_000)
+    headers = [h.strip() for h in table.locator("thead th").all_inner_texts()]
+    out = {}
+    for row in table.locator("tbody tr").all():
+        cells = [c.strip() for c in row.locator("th, td").all_inner_texts()]
+        out[cells[0]] = dict(zip(headers[1:], cells[1:]))
+    return out
+
+
+def test_per_workload_precision_recall_equals_the_raw_events(app_url, browser):
+    base, db = app_url
+    expected = raw_quality(db)
+    assert len(expected) >= 2, expected  # the serve covered several workloads
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    try:
+        page.goto(f"{base}/quality", wait_until="domcontentloaded")
+        page.get_by_text("Per workload, at accepted length ≥ 6").wait_for(timeout=60_000)
+        rendered(page)
+        table = shown_table(page)
+        assert {w: (r["Precision"], r["Recall"], int(r["Scored drafts"].replace(",", ""))) for w, r in table.items()} \
+            == expected
+        # A link with the selection reproduces the view: one workload, its own figures.
+        workload = max(expected, key=lambda w: expected[w][2])
+        page.goto(f"{base}/quality?workload={workload}", wait_until="domcontentloaded")
+        page.get_by_text("Per workload, at accepted length ≥ 6").wait_for(timeout=60_000)
+        rendered(page)
+        assert list(shown_table(page)) == [workload]
+        assert f"workload {workload}" in page.inner_text("body")
+    finally:
+        page.close()
+
+
+def login(page) -> None:
+    page.get_by_label("Admin token", exact=True).fill(TOKEN)
+    page.get_by_label("Admin token", exact=True).press("Enter")
+    rendered(page)
+    page.get_by_label("Admin name", exact=True).fill("carol")
+    page.get_by_label("Admin name", exact=True).press("Enter")
+    rendered(page)
+
+
+def main(page):
+    """The page's own content (the sidebar has a Tenant and a Workload selectbox too)."""
+    return page.get_by_test_id("stMainBlockContainer")
+
+
+def choose(page, label: str, option: str) -> None:
+    """Pick `option` in the page's selectbox labelled `label`."""
+    box = main(page).get_by_label(label, exact=True)
+    box.click()
+    page.get_by_role("option", name=option, exact=True).click()
+    rendered(page)
+
+
+def test_admin_session_survives_a_page_change(app_url, browser):
+    base, _ = app_url
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    try:
+        page.goto(f"{base}/thresholds", wait_until="domcontentloaded")
+        page.get_by_text("Set or clear an override").wait_for(timeout=60_000)
+        rendered(page)
+        login(page)
+        assert page.get_by_role("button", name="Review change").is_enabled()
+        page.get_by_role("link", name="Versions").click()  # in-app navigation: the same session
+        page.get_by_text("Promotion log").wait_for(timeout=60_000)
+        rendered(page)
+        assert page.get_by_label("Admin token", exact=True).input_value() == TOKEN
+        assert page.get_by_label("Admin name", exact=True).input_value() == "carol"
+        assert page.get_by_role("button", name="Promote to champion").is_enabled()
+        assert "Read-only" not in page.inner_text("body")
+    finally:
+        page.close()
+
+
+def test_override_set_through_the_form_with_confirmation(app_url, browser):
+    from controller.core.decision import DecisionConfig
+    from controller.core.runtime import Runtime
+    from controller.services.control_poller import ControlPoller
+    from gates import random_survival_gate
+    from predictor.tokens import TraceTokenizer
+    from storage.engine import make_engine, session_scope
+    from storage.models import TauOverride
+
+    base, db = app_url
+    page = browser.new_page(viewport={"width": 1440, "height": 1600})
+    try:
+        page.goto(f"{base}/thresholds", wait_until="domcontentloaded")
+        page.get_by_text("Set or clear an override").wait_for(timeout=60_000)
+        rendered(page)
+        login(page)
+        choose(page, "Tenant", "➕ a new tenant…")
+        main(page).get_by_label("New tenant name", exact=True).fill("browser-tenant")
+        main(page).get_by_label("New tenant name", exact=True).press("Enter")
+        rendered(page)
+        choose(page, "Workload", "sql")
+        main(page).get_by_label("tau", exact=True).fill("4.5")
+        main(page).get_by_label("tau", exact=True).press("Enter")
+        rendered(page)
+        main(page).get_by_label("Reason", exact=True).fill("browser test")
+        main(page).get_by_label("Reason", exact=True).press("Enter")
+        rendered(page)
+        page.get_by_role("button", name="Review change").click()
+        page.get_by_text("Confirm: effective tau of tenant 'browser-tenant'").wait_for(timeout=60_000)
+        rendered(page)
+        confirmation = shown_table(page)
+        assert confirmation["sql"]["Effective tau after"] == "4.50 (override:tenant+workload)"
+        assert confirmation["sql"]["Changes"] == "yes" and confirmation["chat"]["Changes"] == ""
+        engine = make_engine(db)
+        with session_scope(engine) as s:  # nothing written before the confirmation
+            assert not s.query(TauOverride).filter_by(tenant="browser-tenant").count()
+        page.get_by_role("button", name="Confirm change").click()
+        page.get_by_text("set for tenant 'browser-tenant' by carol").wait_for(timeout=60_000)
+        rendered(page)
+        with session_scope(engine) as s:
+            row = s.query(TauOverride).filter_by(tenant="browser-tenant").one()
+            assert (row.workload, row.mode, row.tau, row.author, row.reason) == ("sql", "fixed", 4.5, "carol",
+                                                                                  "browser test")
+        runtime = Runtime(random_survival_gate(), TraceTokenizer().classes, DecisionConfig())
+        assert ControlPoller(engine, runtime).poll_once()  # what a serving replica resolves
+        eff = runtime.controls.overrides.resolve("browser-tenant", "sql", 1.0, 1.0, row.created_at)
+        assert (eff.source, eff.mode, eff.tau) == ("override:tenant+workload", "fixed", 4.5)
+        engine.dispose()
     finally:
         page.close()

@@ -42,9 +42,11 @@ CONFUSION = {"workload": "Workload", "precision": "Precision", "recall": "Recall
              "fp": "False positives", "fn": "False negatives", "tn": "True negatives", "labelled": "Scored drafts"}
 st.subheader(f"Per workload, at accepted length ≥ {LONG}")
 if per_workload:
-    st.dataframe(pd.DataFrame(per_workload)[list(CONFUSION)].rename(columns=CONFUSION), hide_index=True,
-                 width="stretch", column_config={"Precision": st.column_config.NumberColumn(format="%.3f"),
-                                                 "Recall": st.column_config.NumberColumn(format="%.3f")})
+    table = pd.DataFrame(per_workload)[list(CONFUSION)]
+    table[["precision", "recall"]] = table[["precision", "recall"]].map(lambda v: fmt(None if pd.isna(v) else v))
+    for count in ("tp", "fp", "fn", "tn", "labelled"):
+        table[count] = table[count].map(fmt)
+    st.table(table.rename(columns=CONFUSION).set_index("Workload"))
     st.caption("Exact counts from the statistics of the selection. Good: precision and recall both high for the "
                "workloads with long drafts (code edits, agents); n/a where no draft was called long or none was.")
 else:

@@ -146,9 +146,10 @@ pending = st.session_state.get(PENDING)
 if pending is not None:
     who = pending["spec"].tenant if pending["kind"] == "set" else pending["key"][0]
     st.warning(f"Confirm: effective tau of tenant {who!r} before and after this change.")
-    st.dataframe(pd.DataFrame(pending["rows"]).rename(columns={"workload": "Workload", "before": "Before",
-                                                                "after": "After", "changes": "Changes"}),
-                 hide_index=True, width="stretch")
+    confirm_rows = pd.DataFrame(pending["rows"])
+    confirm_rows["changes"] = confirm_rows["changes"].map({True: "yes", False: ""})
+    st.table(confirm_rows.rename(columns={"workload": "Workload", "before": "Effective tau before",
+                                          "after": "Effective tau after", "changes": "Changes"}).set_index("Workload"))
     c = st.columns(2)
     confirm = c[0].button("Confirm change", key="confirm", type="primary", disabled=disabled)
     if c[1].button("Cancel", key="cancel"):
