@@ -21,6 +21,7 @@ from storage.errors import StorageError
 from storage.settings import database_url
 
 ADMIN_TOKEN_ENV = "HVD_ADMIN_TOKEN"
+PRICED_BATCH = 8  # the Overview's default batch size for the cost profile
 REFRESH_ENV = "HVD_DASHBOARD_REFRESH_S"
 DEFAULT_REFRESH_S = 30
 # Set by the entrypoint (dashboard/app.py), which renders the sidebar once for every page so the

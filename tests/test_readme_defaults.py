@@ -17,6 +17,7 @@ import importlib
 import inspect
 import math
 import re
+from datetime import timedelta
 from decimal import Decimal
 from pathlib import Path
 from types import ModuleType
@@ -83,6 +84,8 @@ def values_in(prose: str) -> list[Decimal]:
 
 
 def same(readme: Decimal | tuple | str, code: Any) -> bool:
+    if isinstance(code, timedelta):  # durations in the README are read as seconds
+        code = code.total_seconds()
     if isinstance(readme, Decimal):
         return (isinstance(code, (int, float, Decimal)) and not isinstance(code, bool)
                 and math.isclose(float(readme), float(code), rel_tol=1e-9, abs_tol=1e-12))

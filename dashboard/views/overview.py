@@ -10,8 +10,8 @@ import pandas as pd
 import streamlit as st
 
 from dashboard.charts import segments, tooltip
-from dashboard.common import (admin_sidebar, data_as_of, engine_or_stop, fmt, page_scope, read_session,
-                              stop_if_empty)
+from dashboard.common import (PRICED_BATCH, admin_sidebar, data_as_of, engine_or_stop, fmt, page_scope,
+                              read_session, stop_if_empty)
 from predictor.baselines import model_alone, no_speculation, path_cost, suffix_alone
 from predictor.profiles import cost_profiles, drafter_profiles
 from storage import dashboard_queries as q
@@ -19,7 +19,6 @@ from storage import dashboard_queries as q
 # The serving defaults (controller.settings; tests/test_dashboard.py keeps them equal), or what is set.
 DEFAULT_COST_PROFILE = os.environ.get("HVD_COST_PROFILE") or "cpu-smollm2"
 DEFAULT_DRAFTER = os.environ.get("HVD_DRAFTER_PROFILE") or "eagle3-smollm2"
-DEFAULT_BATCH = 8
 BUCKET = timedelta(minutes=1)
 
 st.title("Overview")
@@ -45,7 +44,7 @@ profile = profiles[c[0].selectbox("Cost profile", names, index=names.index(DEFAU
                                   if DEFAULT_COST_PROFILE in profiles else 0, key="cost_profile",
                                   help="How one engine step is priced (predictor/profiles.toml); the serving default "
                                        "is HVD_COST_PROFILE.")]
-batch = int(c[1].number_input("Batch size priced", min_value=1, max_value=512, value=DEFAULT_BATCH, key="cost_batch",
+batch = int(c[1].number_input("Batch size priced", min_value=1, max_value=512, value=PRICED_BATCH, key="cost_batch",
                               help="Running requests per step: each request pays its share of the step."))
 drafter = drafters.get(DEFAULT_DRAFTER, drafters["eagle3-smollm2"])
 c[2].caption(f"Cost profile **{profile.name}** at batch {batch}: {profile.description.split('.')[0]}.")
