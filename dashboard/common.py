@@ -255,11 +255,10 @@ def fmt_age(age: timedelta | None) -> str:
     s = max(int(age.total_seconds()), 0)
     if s < 60:
         return f"{s} s"
-    if s < 3600:
-        return f"{s // 60} min {s % 60} s"
-    if s < 86400:
-        return f"{s // 3600} h {s % 3600 // 60} min"
-    return f"{s // 86400} d {s % 86400 // 3600} h"
+    unit, major, sub, minor = ((60, "min", 1, "s") if s < 3600 else (3600, "h", 60, "min") if s < 86400
+                               else (86400, "d", 3600, "h"))
+    rest = s % unit // sub
+    return f"{s // unit} {major}" + (f" {rest} {minor}" if rest else "")
 
 
 def fmt(value, digits: int = 3) -> str:

@@ -460,6 +460,9 @@ def learner_lag(session: Session, replicas: list[dict[str, Any]], now: datetime)
     learners = [(r, x) for r in replicas for x in r["service_list"] if x["name"] == "hvd-learner"]
     live = [(r, x) for r, x in learners if x["state"] != "stopped" and r["heartbeat_state"] != "down"]
     leading = [(r, x) for r, x in live if (x.get("progress") or {}).get("leading")]
+    if not leading and replicas and all(r["heartbeat_state"] == "shut down" for r in replicas):
+        return {"replica": None, "state": "shut down", "lag_events": None, "lag_seconds": None, "cursor": None,
+                "cursor_at": None, "why": "every replica has shut down cleanly: no learner runs"}
     if not leading:
         return {"replica": None, "state": "down", "lag_events": None, "lag_seconds": None, "cursor": None,
                 "cursor_at": None, "why": "no running replica leads the learner" if learners else

@@ -23,7 +23,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 # url path -> text that must be on the rendered page. The default page (Overview) lives at "/":
 # st.navigation serves no "/overview", it shows "Page not found" and then runs the main page.
 PAGES = {
-    "": ["Overview", "Tokens per cycle", "Speedup vs no speculation (cost profile)", "Suffix cache alone",
+    "": ["Overview", "Tokens per cycle", "Speedup vs no speculation", "Suffix cache alone",
          "Data as of"],
     "quality": ["Predictor quality", "Precision at accepted ≥ 6", "Per workload, at accepted length ≥ 6",
                 "Calibration"],

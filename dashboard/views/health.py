@@ -11,7 +11,7 @@ from dashboard.common import (admin_sidebar, data_as_of, engine_or_stop, fmt, fm
                               read_session, stop_if_empty)
 from storage import dashboard_queries as q
 
-STATE_MARK = {"ok": "🟢 ok", "stale": "🟠 stale", "down": "🔴 down", "shut down": "⚪ shut down"}
+STATE_MARK = {"ok": "ok", "stale": "STALE", "down": "DOWN", "shut down": "shut down"}
 
 st.title("Health")
 admin_sidebar()
@@ -33,8 +33,10 @@ st.subheader("Ages")
 lag = h["learner"]
 promo = h["last_promotion"]
 newest_beat = max((r["updated_at"] for r in h["replicas"]), default=None)
+all_shut = bool(h["replicas"]) and all(r["heartbeat_state"] == "shut down" for r in h["replicas"])
+beat_state = "shut down" if all_shut else q.age_state(None if newest_beat is None else now - newest_beat)
 ages = [
-    {"What": "Newest replica heartbeat", "State": STATE_MARK[q.age_state(None if newest_beat is None else now - newest_beat)],
+    {"What": "Newest replica heartbeat", "State": STATE_MARK[beat_state],
      "Age": fmt_age(None if newest_beat is None else now - newest_beat), "At": fmt_ts(newest_beat),
      "Detail": f"ok within {fmt_age(q.STALE_AFTER)}, down after {fmt_age(q.DOWN_AFTER)}"},
     {"What": "Learner", "State": STATE_MARK[lag["state"]],
@@ -58,7 +60,7 @@ ages = [
      "At": fmt_ts(h["last_bucket_at"]), "Detail": "1-minute buckets"},
 ]
 st.dataframe(pd.DataFrame(ages), hide_index=True, width="stretch")
-if lag["state"] != "ok":
+if lag["state"] in ("stale", "down"):
     st.warning(f"Learner {lag['state']}: {lag['why']}.")
 st.caption("Good: heartbeats seconds old, the learner ok and a few events behind. Stale: late or far behind; "
            "down: no heartbeat for minutes, or no running learner.")

@@ -47,7 +47,7 @@ profile = profiles[c[0].selectbox("Cost profile", names, index=names.index(DEFAU
 batch = int(c[1].number_input("Batch size priced", min_value=1, max_value=512, value=PRICED_BATCH, key="cost_batch",
                               help="Running requests per step: each request pays its share of the step."))
 drafter = drafters.get(DEFAULT_DRAFTER, drafters["eagle3-smollm2"])
-c[2].caption(f"Cost profile **{profile.name}** at batch {batch}: {profile.description.split('.')[0]}.")
+c[2].caption(f"Cost profile **{profile.name}** at batch {batch}: {profile.description.split('. ')[0].rstrip('.')}.")
 
 served = path_cost("HVD as served", profile, batch, counts.tokens, counts.cycles, counts.draft_tokens,
                    counts.model_drafts, counts.model_positions)
@@ -56,9 +56,10 @@ suffix = suffix_alone(drafts, profile, batch) if drafts else None
 model, model_source = model_alone(counts.tokens_by_workload, counts.model_by_workload, drafter, profile, batch)
 
 m = st.columns(4)
-m[0].metric("Speedup vs no speculation (cost profile)", fmt(served.speedup_over(plain), 2) + "x"
+m[0].metric("Speedup vs no speculation", fmt(served.speedup_over(plain), 2) + "x"
             if served.speedup_over(plain) else "n/a",
-            help="Simulated time per token without speculation divided by HVD's, verification and drafting counted.")
+            help="Priced by the cost profile: simulated time per token without speculation divided by HVD's, "
+                 "verification and drafting counted (not tokens per cycle).")
 m[1].metric("Suffix cache alone, same traffic", fmt(suffix.speedup_over(plain), 2) + "x"
             if suffix is not None and suffix.speedup_over(plain) else "n/a",
             help="Counterfactual from the hindsight labels: every cache draft verified whole.")
