@@ -103,6 +103,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "workload of requests that name none"),
     Setting("HVD_DEFAULT_TENANT", text, "default", "tenant of requests that name none"),
     Setting("HVD_LEARN", parse_flag, True, "the replica holding the learner lock learns online"),
+    Setting("HVD_METRICS_MAX_TENANTS", positive_int, 20,
+            "tenants the hvd_* Prometheus metrics name (the first seen); later ones are counted as \"other\""),
     Setting("HVD_TOKENIZER", text, None, "tokenizer.json (or its folder) of the trace tokenizer"),
     Setting("HVD_ADMIN_TOKEN", text, None, "the dashboard's admin token (edits are refused without it)"),
     Setting("HVD_SPILL_DIR", text, "var", "folder of dead_letter_events.jsonl: events not even the dead-letter table takes"),
@@ -141,6 +143,7 @@ class ServingSettings:
     default_workload: str
     default_tenant: str
     learn: bool
+    metrics_max_tenants: int
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "ServingSettings":

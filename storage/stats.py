@@ -90,6 +90,34 @@ def _delta(deltas: dict[BucketKey, BucketDelta], key: BucketKey) -> BucketDelta:
     return d
 
 
+GATE_OUTCOMES = ("tp", "fp", "fn", "tn")
+
+
+def gate_outcome(e: EventLike) -> str | None:
+    """The event's cell of the gate's confusion matrix at >= LONG (a long draft is the positive
+    class), or None: a model draft, or a cache draft the gate was not consulted on. One definition
+    for the stored statistics and the live Prometheus counters."""
+    if e.drafter != "cache" or e.predicted is None:
+        return None
+    actual = e.accepted >= LONG
+    if e.predicted >= LONG:
+        return "tp" if actual else "fp"
+    return "fn" if actual else "tn"
+
+
+def verified_tokens(e: EventLike) -> tuple[int, int]:
+    """(draft tokens the engine verified, accepted among them) of the event: a model draft's whole
+    draft; a cache draft's verified prefix when the step verified it (the whole draft when the
+    event names no prefix), else nothing. Shared by the stored statistics and the live counters."""
+    if e.drafter == "model":
+        return e.draft_len, e.accepted
+    if e.decision != "cache":
+        return 0, 0
+    if e.verified_len is None:  # the whole draft
+        return e.draft_len, e.accepted
+    return e.verified_len, min(e.accepted, e.verified_len)
+
+
 def aggregate_into(deltas: dict[BucketKey, BucketDelta], events: Iterable[EventLike],
                    bucket_seconds: int = BUCKET_SECONDS) -> dict[BucketKey, BucketDelta]:
     """Add `events` into an existing delta map (in place); returns it."""
@@ -99,32 +127,18 @@ def aggregate_into(deltas: dict[BucketKey, BucketDelta], events: Iterable[EventL
         if e.drafter == "cache":
             d.cache_drafts += 1
             d.accepted_hist[min(max(int(e.accepted), 0), HIST_BINS - 1)] += 1
-            # No prediction (gate not consulted): not part of the predictor's confusion matrix.
-            if e.predicted is not None:
-                actual = e.accepted >= LONG
-                predicted = e.predicted >= LONG
-                if predicted and actual:
-                    d.tp += 1
-                elif predicted:
-                    d.fp += 1
-                elif actual:
-                    d.fn += 1
-                else:
-                    d.tn += 1
+            outcome = gate_outcome(e)
+            if outcome is not None:
+                setattr(d, outcome, getattr(d, outcome) + 1)
             if e.decision == "cache":
                 d.cache_verified += 1
-                if e.verified_len is None:  # the whole draft
-                    d.draft_tokens += e.draft_len
-                    d.accepted_tokens += e.accepted
-                else:
-                    d.draft_tokens += e.verified_len
-                    d.accepted_tokens += min(e.accepted, e.verified_len)
         elif e.drafter == "model":
             d.model_drafts += 1
-            d.draft_tokens += e.draft_len
-            d.accepted_tokens += e.accepted
         else:
             raise ValueError(f"unknown drafter {e.drafter!r}")
+        draft, accepted = verified_tokens(e)
+        d.draft_tokens += draft
+        d.accepted_tokens += accepted
     return deltas
 
 

@@ -18,7 +18,8 @@ def test_defaults():
     assert s == ServingSettings(
         database_url=None, fallback=None, model_draft_len=3, cost_profile="cpu-smollm2",
         drafter_profile="eagle3-smollm2", max_running=None, backoff="none", fixed_tau=None, rule="allocator",
-        eagle_warm=False, default_workload="chat", default_tenant="default", learn=True)
+        eagle_warm=False, default_workload="chat", default_tenant="default", learn=True,
+        metrics_max_tenants=20)
 
 
 def test_values_are_parsed():

@@ -91,6 +91,13 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("--rule", choices=RULES, default="allocator",
                     help="allocator: HVD's per-step plan; binary: the predicted length against tau, whole drafts; "
                          "arctic: ArcticInference's score rule (default allocator)")
+    rp.add_argument("--metrics-port", metavar="PORT",
+                    help="serve the hvd_* Prometheus metrics (the ones vLLM's /metrics shows with --engine vllm) at "
+                         "http://ADDRESS:PORT/metrics while serving (0 or absent: off)")
+    rp.add_argument("--metrics-address", default="127.0.0.1", metavar="ADDRESS",
+                    help="address the metrics endpoint listens on (default 127.0.0.1)")
+    rp.add_argument("--metrics-linger", metavar="SECONDS",
+                    help="after the run, keep answering /metrics this long, or until Ctrl-C or SIGTERM (default 0)")
 
     sc = sub.add_parser("scenario", help="scripted experiments on the replay engine",
                         description="unseen: leave one bundled source out of the warm start, then serve its sessions "
@@ -249,6 +256,9 @@ def _serve(args: argparse.Namespace, engine) -> int:
 
     if args.max_running is not None and args.max_running < 1:
         raise ValueError(f"--max-running must be >= 1, got {args.max_running}")
+    if args.metrics_port is not None or args.metrics_linger is not None:
+        raise ValueError(f"--metrics-port and --metrics-linger are for --engine replay; with --engine vllm the "
+                         f"hvd_* metrics are on vLLM's own http://{args.host}:{args.port}/metrics")
     exec_server(ServeOptions(database_url=engine.url.render_as_string(hide_password=False), host=args.host,
                              port=args.port, fallback=args.fallback, dtype=args.dtype,
                              max_running=args.max_running, backoff=args.backoff, preload=not args.no_preload))
@@ -264,19 +274,85 @@ def _serve_replay(args: argparse.Namespace, engine) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    port = _metrics_port(args.metrics_port)
+    linger = _seconds("--metrics-linger", args.metrics_linger)
+    if linger and not port:
+        raise ValueError("--metrics-linger needs --metrics-port")
     from controller.cli.serve_traces import round_robin_sources
 
     records, _ = load_traces(args.traces or [bundled_traces_path()])
     if args.max_requests:
         records = round_robin_sources(records)[: args.max_requests]
+    metrics, endpoint = _serve_metrics(port, args.metrics_address) if port else (None, None)
     print(f"serving {len(records)} requests on the replay engine (batch {args.batch_size}, {args.tenants} tenants, "
           f"learning {'off' if args.no_learn else 'on'}); Ctrl-C or SIGTERM stops cleanly")
     opts = ReplayServeOptions(batch_size=args.batch_size, tenants=args.tenants, seed=args.seed,
                               learn=not (args.no_learn or args.oracle), synchronous=args.synchronous,
                               oracle=args.oracle, rule=args.rule)
-    result = serve_replay(engine, records, opts)
-    print(format_serve_summary(result))
+    try:
+        result = serve_replay(engine, records, opts, metrics=metrics)
+        print(format_serve_summary(result), flush=True)
+        if linger and not result.interrupted:
+            print(f"metrics: still answering for {linger:g} s; Ctrl-C or SIGTERM ends it", flush=True)
+            _linger(linger)
+    finally:
+        if endpoint is not None:
+            endpoint.shutdown()
     return 1 if result.tally.lost else 0  # anything lost at exit is an error, after saying how much
+
+
+def _metrics_port(raw: str | None) -> int:
+    """--metrics-port: a TCP port, or 0 (off)."""
+    if raw is None:
+        return 0
+    try:
+        port = int(raw)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--metrics-port must be a TCP port 1..65535 (0: off), got {raw!r}")
+    return port
+
+
+def _seconds(flag: str, raw: str | None) -> float:
+    try:
+        value = 0.0 if raw is None else float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < float("inf"):
+        raise ValueError(f"{flag} must be a number of seconds >= 0, got {raw!r}")
+    return value
+
+
+def _serve_metrics(port: int, address: str):
+    """The hvd_* metrics of this process's runtime and prometheus_client's HTTP server answering
+    them (the global registry, as vLLM's /metrics serves it); says where, once."""
+    from prometheus_client import REGISTRY, start_http_server
+
+    from controller.core.metrics import HvdMetrics
+
+    metrics = HvdMetrics.shared(REGISTRY)
+    try:
+        endpoint, _ = start_http_server(port, address, REGISTRY)
+    except OSError as exc:  # the port is taken, the address is not this host's
+        raise ValueError(f"--metrics-port {port}: cannot listen on {address}:{port}: {exc.strerror or exc}") from None
+    host = f"[{address}]" if ":" in address else address
+    print(f"metrics on http://{host}:{port}/metrics", flush=True)
+    return metrics, endpoint
+
+
+def _linger(seconds: float) -> None:
+    """Wait `seconds`, or until SIGINT or SIGTERM, which then end the wait (and only the wait)."""
+    import signal
+    import threading
+
+    done = threading.Event()
+    previous = {sig: signal.signal(sig, lambda signum, frame: done.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        done.wait(seconds)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _scenario(args: argparse.Namespace, engine) -> int:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import Engine
 
+from controller.core.metrics import HvdMetrics
 from controller.core.runtime import Runtime
 from controller.engines.trace_engine import ReplayRun, run_replay
 from controller.services.event_writer import Tally
@@ -103,13 +104,16 @@ def round_robin_sources(records: Sequence[TraceRecord]) -> list[TraceRecord]:
 
 def serve_replay(engine: Engine, records: Sequence[TraceRecord], opts: ReplayServeOptions,
                  log: Callable[[str], None] = print, on_step: Callable[[ReplayRun, Runtime], None] | None = None,
-                 ) -> ServeResult:
+                 metrics: HvdMetrics | None = None) -> ServeResult:
+    """Serve `records` until done or stopped; `metrics`: the Prometheus metrics the runtime counts
+    into (the CLI's --metrics-port serves them)."""
     (drafter,) = pick(drafter_profiles(), [opts.drafter], "drafter")
     (cost,) = pick(cost_profiles(), [opts.cost_profile], "cost")
     tokenizer = TraceTokenizer()
     stack = ServiceStack.build(engine, decision_config(drafter, cost, rule=opts.rule), tokenizer.classes,
                                replica=opts.replica, learn=opts.learn, learner_config=opts.learner,
-                               leader_lock=not opts.synchronous, stats_interval=2.0, poll_interval=1.0)
+                               leader_lock=not opts.synchronous, stats_interval=2.0, poll_interval=1.0,
+                               metrics=metrics)
     runtime, learner = stack.runtime, stack.learner
     if opts.synchronous:
         stack.poller.poll_once()

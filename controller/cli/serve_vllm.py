@@ -7,12 +7,18 @@ from `SamplingParams.extra_args`.
 As vLLM's CPU install guide runs it, the server starts with tcmalloc and Intel OpenMP in LD_PRELOAD
 (`preload`, on by default; vLLM warns that CPU speculative decoding without them "will cause
 significant performance loss"). On these 2-core machines it measured no free win, so it can be
-switched off; bench/vllm_methods.py measures every method both ways."""
+switched off; bench/vllm_methods.py measures every method both ways.
+
+/metrics: vLLM's API server answers it, but the HVD runtime counts in vLLM's worker process. The
+server starts with PROMETHEUS_MULTIPROC_DIR set to an emptied folder of its own (one per port),
+where prometheus_client keeps every process's values and the API server's collector adds them up:
+the hvd_* series (controller/core/metrics.py) appear beside vLLM's own vllm:* ones."""
 from __future__ import annotations
 
 import json
 import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,7 +47,23 @@ def command(opts: ServeOptions) -> tuple[list[str], dict[str, str]]:
                 "HVD_BACKOFF": opts.backoff})
     if opts.max_running is not None:
         env["HVD_MAX_RUNNING"] = str(opts.max_running)
+    if not env.get("PROMETHEUS_MULTIPROC_DIR"):  # one the operator set is theirs to keep clean
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(_emptied(metrics_dir(opts.port)))
     return argv, env
+
+
+def metrics_dir(port: int) -> Path:
+    """Where the server on `port` keeps its processes' Prometheus values (this user's)."""
+    return Path(tempfile.gettempdir()) / f"hvd-prometheus-{os.getuid()}" / str(port)
+
+
+def _emptied(folder: Path) -> Path:
+    """`folder`, made if missing, without the value files of an earlier server on the same port
+    (prometheus_client would add them to the new server's counts)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("*.db"):
+        stale.unlink(missing_ok=True)
+    return folder
 
 
 def server_argv(opts: ServeOptions, speculative: dict | None) -> list[str]:

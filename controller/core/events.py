@@ -2,13 +2,15 @@
 
 The decode path must never wait for storage or learning: `put` never blocks; when the queue is
 full (or closed, at shutdown) the event is dropped and counted, and the count is itself reported
-(it is a health figure).
+(it is a health figure). An optional observer (the Prometheus metrics) sees every event offered,
+admitted or not, and every batch taken off, from the one place events pass through.
 """
 from __future__ import annotations
 
 import queue
 import threading
 from dataclasses import dataclass
+from typing import Protocol
 
 DRAFTER_CACHE, DRAFTER_MODEL = "cache", "model"
 
@@ -46,10 +48,19 @@ class LabelledEvent:
         }
 
 
+class QueueObserver(Protocol):
+    """Told of what passes through an EventQueue; must be cheap and never raise (it runs on the
+    decode path)."""
+
+    def offered(self, event: LabelledEvent, admitted: bool) -> None: ...
+
+    def taken(self, count: int) -> None: ...
+
+
 class EventQueue:
     """A bounded FIFO: `put` drops (and counts) instead of waiting when full or closed."""
 
-    def __init__(self, maxsize: int = 65536) -> None:
+    def __init__(self, maxsize: int = 65536, observer: QueueObserver | None = None) -> None:
         if maxsize < 1:
             raise ValueError(f"event queue size must be >= 1, got {maxsize}")
         self._queue: queue.Queue[LabelledEvent] = queue.Queue(maxsize)
@@ -58,25 +69,27 @@ class EventQueue:
         self.dropped = 0
         self.queued = 0  # events put on the queue (not dropped) since it was made
         self.closed = False
+        self.observer = observer
 
     def close(self) -> None:
         """Admit nothing more (shutdown): later events are dropped and counted."""
         self.closed = True
 
     def put(self, event: LabelledEvent) -> bool:
-        if self.closed:
-            with self._lock:
-                self.dropped += 1
-            return False
-        try:
-            self._queue.put_nowait(event)
-        except queue.Full:
-            with self._lock:
-                self.dropped += 1
-            return False
+        admitted = not self.closed
+        if admitted:
+            try:
+                self._queue.put_nowait(event)
+            except queue.Full:
+                admitted = False
         with self._lock:
-            self.queued += 1
-        return True
+            if admitted:
+                self.queued += 1
+            else:
+                self.dropped += 1
+        if self.observer is not None:
+            self.observer.offered(event, admitted)
+        return admitted
 
     def get_batch(self, max_items: int) -> list[LabelledEvent]:
         """Up to max_items queued events, without waiting (the writer paces itself)."""
@@ -86,6 +99,8 @@ class EventQueue:
                 batch.append(self._queue.get_nowait())
             except queue.Empty:
                 break
+        if batch and self.observer is not None:
+            self.observer.taken(len(batch))
         return batch
 
     def depth(self) -> int:

@@ -25,6 +25,7 @@ import time
 from datetime import datetime, timezone
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -42,6 +43,9 @@ from predictor.mlp import GatePredictor
 from predictor.tokens import TokenClasses
 from predictor.traces import WORKLOADS
 from storage.overrides import OverrideSnapshot
+
+if TYPE_CHECKING:
+    from controller.core.metrics import HvdMetrics
 
 _log = logging.getLogger("hvd.runtime")
 
@@ -111,7 +115,7 @@ class Runtime:
                  events: EventQueue | None = None, version_id: int | None = None,
                  suffix: SuffixConfig | None = None, clock=time.time,
                  drafter_factory: Callable[[SuffixConfig | None], CacheDrafter] = CacheDrafter,
-                 shadow_drafts: bool = True, stats_sink=None) -> None:
+                 shadow_drafts: bool = True, stats_sink=None, metrics: "HvdMetrics | None" = None) -> None:
         self.gate = gate
         self.version_id = version_id
         # workloads served by their own champion (promoted for that workload): {workload: (gate, version)}
@@ -119,6 +123,11 @@ class Runtime:
         self.classes = classes
         self.decision = decision or DecisionConfig()
         self.events = events if events is not None else EventQueue()
+        # Prometheus counters (controller.core.metrics): the step's decisions here, the labelled
+        # drafts as they pass through the queue.
+        self.metrics = metrics
+        if metrics is not None:
+            self.events.observer = metrics
         self._drafter_factory = drafter_factory
         # Draft (in the shadow) at every output position, not only where steps land, so live
         # features match the dense replay the predictor learned from; costs one more suffix
@@ -138,6 +147,7 @@ class Runtime:
         self._clock = clock
         self._told_binary = False
         self._choose_rule()
+        self._report_versions()
 
     def set_controls(self, controls: "Controls") -> None:
         """New learned corrections and overrides (from the control poller), used from the next step."""
@@ -147,15 +157,21 @@ class Runtime:
         """Swap the predictor between steps (a new champion); in-flight drafts keep their version."""
         self.gate, self.version_id = gate, version_id
         self._choose_rule()
+        self._report_versions()
 
     def set_workload_gates(self, gates: dict[str, tuple[GatePredictor, int]]) -> None:
         """The per-workload champions (from the control poller); workloads not in it use `gate`."""
         self.workload_gates = dict(gates)
+        self._report_versions()
 
     def version_for(self, workload: str) -> int | None:
         """The predictor version deciding `workload`'s drafts."""
         own = self.workload_gates.get(workload)
         return own[1] if own is not None else self.version_id
+
+    def _report_versions(self) -> None:
+        if self.metrics is not None:
+            self.metrics.versions(self.version_id, {w: self.version_for(w) for w in WORKLOADS})
 
     def _choose_rule(self) -> None:
         """The rule this predictor serves with: a point-estimate version keeps the binary rule."""
@@ -233,6 +249,8 @@ class Runtime:
             if is_cache.any():
                 stats.mixed_steps += 1
         stats.truncated += int(np.count_nonzero(is_cache & (verify_len < lengths)))
+        if self.metrics is not None:
+            self.metrics.step(states, source, held)
         cache_drafts = [rows.contexts[r].draft.token_ids if r >= 0 else [] for r in row_of]
         drafts = [d[:c] if c else [] for d, c in zip(cache_drafts, cut)]
         self._report_emitted()

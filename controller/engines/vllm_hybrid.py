@@ -13,6 +13,7 @@ import socket
 from pathlib import Path
 
 from controller.core.decision import CACHE, MODEL
+from controller.core.metrics import HvdMetrics
 from controller.core.request_metadata import RequestMetadata, RequestMetadataError, parse_request_metadata
 from controller.core.runtime import RequestInput
 from controller.services.stack import ServiceStack, decision_config
@@ -58,9 +59,12 @@ class HybridState:
         self._meta: dict[str, RequestMetadata] = {}  # per running request, parsed when first seen
         # Every replica follows the control plane (overrides apply from the first step: one poll
         # before serving); the one holding the learner lock also learns.
+        # The hvd_* metrics go into the registry vLLM serves at /metrics (across processes: see
+        # controller.core.metrics).
+        metrics = HvdMetrics.shared(max_tenants=settings.metrics_max_tenants)
         self.stack = ServiceStack.build(engine, decision, tokenizer.classes,
                                         replica=f"{socket.gethostname()}-{os.getpid()}", learn=settings.learn,
-                                        suffix=suffix)
+                                        suffix=suffix, metrics=metrics)
         self.stack.poller.poll_once()
         self.stack.start()
         self.runtime = self.stack.runtime

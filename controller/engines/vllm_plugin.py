@@ -25,6 +25,12 @@ Settings: the HVD_* environment variables of controller/settings.py (one table, 
 value checked before the engine is touched). With HVD_HYBRID unset, `register()` returns at once:
 nothing is patched and nothing heavy is imported; the runtime and its services
 (controller.engines.vllm_hybrid) load when a hybrid runner first drafts.
+
+Metrics: each runtime counts into the hvd_* metrics of prometheus_client's global registry
+(controller.core.metrics), the one vLLM serves at /metrics. The runtime lives in vLLM's worker
+process, not the API server's: its values reach /metrics through PROMETHEUS_MULTIPROC_DIR, which
+`hvd serve --engine vllm` sets (controller/cli/serve_vllm.py); a server started otherwise needs it
+set to an empty folder too.
 """
 from __future__ import annotations
 
@@ -163,3 +169,7 @@ def _state(runner) -> "HybridState | None":
 def _drain_at_exit() -> None:
     for s in _STATES:
         s.stack.shutdown(10.0)  # stop admitting, drain, log and store the tally (lost events: a warning)
+    if _STATES:
+        from controller.core.metrics import mark_process_dead
+
+        mark_process_dead()

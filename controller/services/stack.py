@@ -19,6 +19,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from controller.core.decision import DecisionConfig
+from controller.core.metrics import HvdMetrics
 from controller.core.runtime import Runtime
 from controller.services.control_poller import ControlPoller
 from controller.services.event_writer import EventWriter, Tally
@@ -59,12 +60,14 @@ class ServiceStack:
     def build(cls, engine: Engine, decision: DecisionConfig, token_classes: TokenClasses, *, replica: str,
               learn: bool = True, learner_config: LearnerConfig | None = None, leader_lock: bool = True,
               suffix: SuffixConfig | None = None, stats_interval: float = 5.0,
-              poll_interval: float = 2.0) -> "ServiceStack":
+              poll_interval: float = 2.0, metrics: HvdMetrics | None = None) -> "ServiceStack":
         """Everything around one runtime, on the current champion. `leader_lock=False`: this
-        replica learns without asking (one process, synchronous runs)."""
+        replica learns without asking (one process, synchronous runs). `metrics`: the Prometheus
+        metrics the runtime counts into (none without)."""
         version_id, gate = load_gate(engine)
         stats = StatsWriter(engine, flush_interval=stats_interval)
-        runtime = Runtime(gate, token_classes, decision, version_id=version_id, suffix=suffix, stats_sink=stats)
+        runtime = Runtime(gate, token_classes, decision, version_id=version_id, suffix=suffix, stats_sink=stats,
+                          metrics=metrics)
         writer = EventWriter(engine, runtime.events, stats=stats, keep_events=KEEP_EVENTS, replica=replica)
         poller = ControlPoller(engine, runtime, interval=poll_interval)
         service = None

@@ -1,0 +1,179 @@
+"""The hvd_* Prometheus metrics, counted in a fresh registry: the same numbers the stored statistics
+give for the same events, the tenant cap, the queue's depth and drops, and a runtime's decisions.
+(Scraped from real servers: tests/test_serve_replay.py, tests/test_vllm_server.py.)"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from controller.core.decision import DecisionConfig
+from controller.core.events import EventQueue, LabelledEvent
+from controller.core.metrics import DEFAULT_MAX_TENANTS, OTHER_TENANT, HvdMetrics
+from controller.core.runtime import Runtime
+from controller.engines.trace_engine import run_replay
+from controller.settings import read
+from predictor.profiles import drafter_profiles
+from predictor.traces import WORKLOADS
+from storage.stats import GATE_OUTCOMES, aggregate
+
+from gates import random_survival_gate
+
+
+def event(tenant: str, workload: str, drafter: str, decision: str, draft_len: int, accepted: int,
+          predicted: float | None, verified_len: int | None = None) -> LabelledEvent:
+    return LabelledEvent(1_700_000_000.0, tenant, workload, "r", 3, drafter, decision, draft_len, accepted, predicted,
+                         2.0, 7, None, verified_len)
+
+
+EVENTS = [
+    event("acme", "sql", "cache", "cache", 10, 8, 7.5),  # whole draft verified: tp
+    event("acme", "sql", "cache", "cache", 10, 9, 7.0, verified_len=4),  # a 4-token prefix verified: tp
+    event("acme", "sql", "cache", "cache", 8, 2, 6.5, verified_len=5),  # fp
+    event("acme", "sql", "cache", "shadow", 12, 12, 3.0),  # fn, nothing verified
+    event("acme", "sql", "cache", "none", 5, 0, 1.0),  # tn, nothing verified
+    event("acme", "sql", "cache", "cache", 6, 6, None),  # not scored: no gate outcome
+    event("acme", "sql", "model", "model", 3, 1, None),
+    event("acme", "sql", "model", "model", 3, 3, None),
+    event("zeta", "chat", "cache", "cache", 9, 6, 6.0),  # tp at exactly LONG
+    event("zeta", "chat", "cache", "cache", 9, 5, 5.99),  # tn just under LONG
+    event("zeta", "chat", "model", "model", 2, 0, None),
+]
+
+
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    got = registry.get_sample_value(name, labels)
+    return 0.0 if got is None else got
+
+
+def test_event_counts_equal_the_stored_statistics_of_the_same_events():
+    registry = CollectorRegistry()
+    metrics = HvdMetrics(registry)
+    queue = EventQueue(observer=metrics)
+    for e in EVENTS:
+        assert queue.put(e)
+    stored = aggregate(EVENTS)
+    for tenant, workload in (("acme", "sql"), ("zeta", "chat")):
+        rows = [d for (_, t, w, _), d in stored.items() if (t, w) == (tenant, workload)]
+        assert rows
+        for outcome in GATE_OUTCOMES:
+            assert value(registry, "hvd_gate_outcomes_total", workload=workload, tenant=tenant, outcome=outcome) \
+                == sum(getattr(d, outcome) for d in rows), outcome
+        by_drafter = {d: {k: value(registry, f"hvd_{k}_tokens_total", workload=workload, tenant=tenant, drafter=d)
+                          for k in ("draft", "accepted", "rejected")} for d in ("cache", "model")}
+        assert sum(c["draft"] for c in by_drafter.values()) == sum(d.draft_tokens for d in rows)
+        assert sum(c["accepted"] for c in by_drafter.values()) == sum(d.accepted_tokens for d in rows)
+        for c in by_drafter.values():
+            assert c["rejected"] == c["draft"] - c["accepted"] >= 0
+    # By hand, for acme/sql: cache verified 10 + 4 + 5 + 6 tokens, accepted 8 + 4 + 2 + 6; model 6 and 4.
+    acme = {"workload": "sql", "tenant": "acme"}
+    assert value(registry, "hvd_draft_tokens_total", drafter="cache", **acme) == 25
+    assert value(registry, "hvd_accepted_tokens_total", drafter="cache", **acme) == 20
+    assert value(registry, "hvd_rejected_tokens_total", drafter="cache", **acme) == 5
+    assert value(registry, "hvd_draft_tokens_total", drafter="model", **acme) == 6
+    assert value(registry, "hvd_accepted_tokens_total", drafter="model", **acme) == 4
+    assert [value(registry, "hvd_gate_outcomes_total", outcome=o, **acme) for o in GATE_OUTCOMES] == [2, 1, 1, 1]
+
+
+def test_queue_depth_and_drops_follow_the_queue():
+    registry = CollectorRegistry()
+    metrics = HvdMetrics(registry)
+    queue = EventQueue(maxsize=4, observer=metrics)
+    results = [queue.put(e) for e in EVENTS[:6]]
+    assert results == [True] * 4 + [False] * 2
+    assert value(registry, "hvd_event_queue_depth") == queue.depth() == 4
+    assert value(registry, "hvd_events_dropped_total") == queue.dropped == 2
+    assert len(queue.get_batch(3)) == 3
+    assert value(registry, "hvd_event_queue_depth") == queue.depth() == 1
+    queue.close()
+    assert not queue.put(EVENTS[0])
+    assert value(registry, "hvd_events_dropped_total") == queue.dropped == 3
+    # a dropped event's tokens still count: the metrics say what was decoded, not what was stored
+    cache_tokens = value(registry, "hvd_draft_tokens_total", workload="sql", tenant="acme", drafter="cache")
+    assert cache_tokens == 10 + 4 + 5 + 6 + 10
+
+
+def test_tenants_past_the_cap_are_other():
+    assert read("HVD_METRICS_MAX_TENANTS", {}) == DEFAULT_MAX_TENANTS == 20  # the plugin's default is the class's
+    registry = CollectorRegistry()
+    metrics = HvdMetrics(registry, max_tenants=20)
+    queue = EventQueue(observer=metrics)
+    for i in range(21):
+        queue.put(event(f"t{i:02d}", "chat", "model", "model", 2, 1, None))
+    queue.put(event("t00", "chat", "model", "model", 2, 2, None))  # a named tenant keeps its name
+    queue.put(event("t99", "chat", "model", "model", 2, 2, None))
+
+    def accepted(tenant: str) -> float:
+        return value(registry, "hvd_accepted_tokens_total", workload="chat", tenant=tenant, drafter="model")
+
+    assert [accepted(f"t{i:02d}") for i in range(20)] == [3] + [1] * 19
+    assert accepted("t20") == accepted("t99") == 0
+    assert accepted(OTHER_TENANT) == 1 + 2
+    tenants = {s.labels["tenant"] for m in registry.collect() for s in m.samples if "tenant" in s.labels}
+    assert len(tenants) == 21 and OTHER_TENANT in tenants
+    help_text = next(m.documentation for m in registry.collect() if m.name == "hvd_decisions")
+    assert "first 20 distinct tenants" in help_text and f"'{OTHER_TENANT}'" in help_text
+
+
+def test_a_step_counts_one_decision_per_request_and_the_mean_tau_per_workload():
+    from types import SimpleNamespace
+
+    from controller.core.decision import CACHE, MODEL, NONE
+
+    registry = CollectorRegistry()
+    metrics = HvdMetrics(registry)
+    a, b, c = (SimpleNamespace(tenant=t, workload=w) for t, w in (("acme", "sql"), ("acme", "sql"), ("zeta", "chat")))
+    metrics.step([a, b, c], [CACHE, NONE, MODEL], [1.0, 3.0, float("nan")])
+    metrics.step([a, c], [CACHE, NONE], [float("nan"), float("nan")])  # no cache draft: tau stays
+    assert value(registry, "hvd_decisions_total", workload="sql", tenant="acme", source="cache") == 2
+    assert value(registry, "hvd_decisions_total", workload="sql", tenant="acme", source="none") == 1
+    assert value(registry, "hvd_decisions_total", workload="chat", tenant="zeta", source="model") == 1
+    assert value(registry, "hvd_decisions_total", workload="chat", tenant="zeta", source="none") == 1
+    assert registry.get_sample_value("hvd_tau", {"workload": "sql"}) == 2.0
+    assert registry.get_sample_value("hvd_tau", {"workload": "chat"}) is None  # never seen: no series, not 0
+
+
+def test_one_set_per_registry_and_observing_never_raises(caplog):
+    registry = CollectorRegistry()
+    shared = HvdMetrics.shared(registry)
+    assert HvdMetrics.shared(registry) is shared
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        HvdMetrics(registry)  # why `shared` exists
+    bad = event("acme", "sql", "eagle", "cache", 2, 1, None)  # a drafter no series has
+    shared.offered(bad, True)
+    shared.offered(bad, True)
+    assert sum("HVD metrics: counting an event failed" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_runtime_counts_its_decisions_tau_and_versions(records, tokenizer):
+    """Two runtimes on one registry's metrics (no duplicate registration); the counters are the
+    runtime's own tallies: one decision per request and step, every labelled draft's tokens."""
+    registry = CollectorRegistry()
+    metrics = HvdMetrics.shared(registry)
+    gate = random_survival_gate()
+    first = Runtime(gate, tokenizer.classes, DecisionConfig(), version_id=5, metrics=metrics)
+    second = Runtime(gate, tokenizer.classes, DecisionConfig(), version_id=5, metrics=HvdMetrics.shared(registry))
+    assert second.metrics is first.metrics
+    first.set_workload_gates({"sql": (gate, 9)})
+    drafter = drafter_profiles()["eagle3-1.75"]
+    some = [r for r in records if r.workload in ("sql", "chat", "coding")][:6]
+    run_replay(first, some, tokenizer, drafter, batch_size=3, tenant_of=lambda r: f"tenant-{r.workload}")
+    events = first.events.get_batch(1_000_000)
+    assert events and first.events.dropped == 0
+    assert value(registry, "hvd_event_queue_depth") == 0
+
+    decisions = {s: sum(value(registry, "hvd_decisions_total", workload=w, tenant=f"tenant-{w}", source=s)
+                        for w in WORKLOADS) for s in ("cache", "model", "none")}
+    assert decisions == first.stats.decisions and min(decisions.values()) > 0, decisions
+    assert decisions["cache"] == sum(e.drafter == "cache" and e.decision == "cache" for e in events)
+    assert decisions["model"] == sum(e.drafter == "model" for e in events)
+    stored = aggregate(events)
+    draft = sum(value(registry, "hvd_draft_tokens_total", workload=w, tenant=f"tenant-{w}", drafter=d)
+                for w in WORKLOADS for d in ("cache", "model"))
+    assert draft == sum(d.draft_tokens for d in stored.values()) > 0
+    for w in {r.workload for r in some}:
+        tau = registry.get_sample_value("hvd_tau", {"workload": w})
+        assert tau is not None and np.isfinite(tau) and tau > 0
+    assert value(registry, "hvd_champion_version") == 5
+    assert value(registry, "hvd_predictor_version", workload="sql") == 9
+    assert value(registry, "hvd_predictor_version", workload="chat") == 5
