@@ -33,14 +33,21 @@ def parse_flag(raw: str) -> bool:
     raise ValueError(f"one of {TRUE + FALSE}")
 
 
-def positive_int(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError("an integer >= 1") from None
-    if value < 1:
-        raise ValueError("an integer >= 1")
-    return value
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """A parser of whole numbers >= `minimum` (its error says what is accepted)."""
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"an integer >= {minimum}") from None
+        if value < minimum:
+            raise ValueError(f"an integer >= {minimum}")
+        return value
+    return parse
+
+
+positive_int = int_at_least(1)
+whole_seconds = int_at_least(0)
 
 
 def number(raw: str) -> float:
@@ -107,6 +114,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "tenants the hvd_* Prometheus metrics name (the first seen); later ones are counted as \"other\""),
     Setting("HVD_TOKENIZER", text, None, "tokenizer.json (or its folder) of the trace tokenizer"),
     Setting("HVD_ADMIN_TOKEN", text, None, "the dashboard's admin token (edits are refused without it)"),
+    Setting("HVD_DASHBOARD_REFRESH_S", whole_seconds, 30,
+            "seconds between the dashboard's automatic refreshes (0: off)"),
     Setting("HVD_SPILL_DIR", text, "var", "folder of dead_letter_events.jsonl: events not even the dead-letter table takes"),
     Setting("HVD_TEST_POSTGRES_URL", text, "postgresql+psycopg2://postgres@127.0.0.1:5432/test",
             "PostgreSQL server of the tests and bench/outage.py (each uses a throwaway schema)"),
