@@ -535,3 +535,13 @@ def test_health_ages_states_and_learner_lag(tmp_path):
     lag = h["learner"]
     assert (lag["replica"], lag["state"], lag["lag_events"], lag["lag_seconds"]) == ("lead", "ok", 4, 20.0)
     engine.dispose()
+
+
+def test_a_link_naming_an_unknown_tenant_says_so_and_shows_all(known_db):
+    at = page("overview")
+    at.query_params["tenant"] = "ghost"
+    at.query_params["workload"] = "chat"
+    run(at)
+    assert any("names tenant 'ghost', which this database does not know" in w.value for w in at.sidebar.warning)
+    assert at.selectbox(key="tenant").value == "(all tenants)" and at.selectbox(key="workload").value == "chat"
+    assert metrics(at)["Tokens generated"] == "100"  # chat: acme's 100 tokens only
