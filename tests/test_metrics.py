@@ -177,3 +177,23 @@ def test_a_runtime_counts_its_decisions_tau_and_versions(records, tokenizer):
     assert value(registry, "hvd_champion_version") == 5
     assert value(registry, "hvd_predictor_version", workload="sql") == 9
     assert value(registry, "hvd_predictor_version", workload="chat") == 5
+
+
+def test_events_the_writer_drops_in_an_outage_count_as_dropped(tmp_path):
+    """The writer's buffer overflows while the database refuses writes (here: no tables): what it
+    drops is counted with the queue's drops."""
+    from controller.services.event_writer import EventWriter
+    from storage.engine import make_engine
+
+    registry = CollectorRegistry()
+    metrics = HvdMetrics(registry)
+    queue = EventQueue(maxsize=100, observer=metrics)
+    engine = make_engine(f"sqlite:///{tmp_path / 'no-tables.db'}")
+    writer = EventWriter(engine, queue, max_buffered=3, spill_dir=tmp_path)
+    writer.on_dropped = metrics.writer_dropped
+    for e in EVENTS[:7]:
+        assert queue.put(e)
+    writer.round()  # drains 7 into a buffer of 3, then fails to write
+    assert writer.dropped == 4 and writer.failures == 1
+    assert value(registry, "hvd_events_dropped_total") == 4 and value(registry, "hvd_event_queue_depth") == 0
+    engine.dispose()

@@ -100,8 +100,9 @@ class HvdMetrics:
             "hvd_event_queue_depth", "Labelled events waiting for the event writer (summed over this "
             "process's runtimes and the live processes)", registry=registry, multiprocess_mode="livesum")
         self.events_dropped = Counter(
-            "hvd_events_dropped", "Labelled events dropped by the decode path (queue full, or closed at "
-            "shutdown) instead of waiting", registry=registry)
+            "hvd_events_dropped", "Labelled events dropped before storage: by the decode path (queue full, "
+            "or closed at shutdown) instead of waiting, or by the event writer when its buffer overflowed during "
+            "a database outage", registry=registry)
         self.predictor_version = Gauge(
             "hvd_predictor_version", "Id of the predictor version deciding the workload's drafts (its own "
             "champion, else the whole stream's; 0: none)", ("workload",), registry=registry,
@@ -171,6 +172,13 @@ class HvdMetrics:
                 self.events_dropped.inc()
         except Exception:
             self._failure("counting an event")
+
+    def writer_dropped(self, count: int) -> None:
+        """The event writer dropped `count` buffered events (its buffer overflowed)."""
+        try:
+            self.events_dropped.inc(count)
+        except Exception:
+            self._failure("counting the writer's drops")
 
     def taken(self, count: int) -> None:
         """The writer took `count` events off a queue."""

@@ -116,6 +116,7 @@ class EventWriter(BackgroundService):
         self.spill_dir = spill_dir if spill_dir is not None else default_spill_dir()
         self.written = 0
         self.dropped = 0  # buffer overflow (the queue counts its own)
+        self.on_dropped: Callable[[int], None] | None = None  # told of each overflow (the Prometheus metrics)
         self.dead_lettered = 0
         self.spilled = 0  # of the dead-lettered: into the file, not the table
         self.peak_buffered = 0
@@ -201,7 +202,10 @@ class EventWriter(BackgroundService):
         excess = len(self._buffer) - self.max_buffered
         for _ in range(max(0, excess)):
             self._buffer.popleft()
-        self.dropped += max(0, excess)
+        if excess > 0:
+            self.dropped += excess
+            if self.on_dropped is not None:
+                self.on_dropped(excess)
         self.peak_buffered = max(self.peak_buffered, len(self._buffer))
 
     def _note(self, events: list[LabelledEvent]) -> None:

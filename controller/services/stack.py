@@ -69,6 +69,8 @@ class ServiceStack:
         runtime = Runtime(gate, token_classes, decision, version_id=version_id, suffix=suffix, stats_sink=stats,
                           metrics=metrics)
         writer = EventWriter(engine, runtime.events, stats=stats, keep_events=KEEP_EVENTS, replica=replica)
+        if metrics is not None:
+            writer.on_dropped = metrics.writer_dropped
         poller = ControlPoller(engine, runtime, interval=poll_interval)
         service = None
         if learn:
