@@ -265,3 +265,21 @@ def test_override_set_through_the_form_with_confirmation(app_url, browser):
         engine.dispose()
     finally:
         page.close()
+
+
+def test_pages_refresh_themselves(app_url, browser):
+    """The 'Data as of' time moves on without a click (HVD_DASHBOARD_REFRESH_S, 30 s by default)."""
+    import re
+
+    base, _ = app_url
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    try:
+        page.goto(f"{base}/health", wait_until="domcontentloaded")
+        page.get_by_text("Data as of").first.wait_for(timeout=60_000)
+        rendered(page)
+        first = re.search(r"Data as of ([0-9: -]+) UTC", page.inner_text("body")).group(1)
+        page.wait_for_function(
+            "(first) => { const m = document.body.innerText.match(/Data as of ([0-9: -]+) UTC/);"
+            " return m && m[1] !== first; }", arg=first, timeout=90_000)
+    finally:
+        page.close()
