@@ -203,13 +203,13 @@ def test_admin_session_survives_a_page_change(app_url, browser):
         page.get_by_text("Set or clear an override").wait_for(timeout=60_000)
         rendered(page)
         login(page)
-        assert page.get_by_role("button", name="Review change").is_enabled()
+        sync_api.expect(page.get_by_role("button", name="Review change")).to_be_enabled(timeout=60_000)
         page.get_by_role("link", name="Versions").click()  # in-app navigation: the same session
         page.get_by_text("Promotion log").wait_for(timeout=60_000)
         rendered(page)
         assert page.get_by_label("Admin token", exact=True).input_value() == TOKEN
         assert page.get_by_label("Admin name", exact=True).input_value() == "carol"
-        assert page.get_by_role("button", name="Promote to champion").is_enabled()
+        sync_api.expect(page.get_by_role("button", name="Promote to champion")).to_be_enabled(timeout=60_000)
         assert "Read-only" not in page.inner_text("body")
     finally:
         page.close()
@@ -231,6 +231,7 @@ def test_override_set_through_the_form_with_confirmation(app_url, browser):
         page.get_by_text("Set or clear an override").wait_for(timeout=60_000)
         rendered(page)
         login(page)
+        sync_api.expect(page.get_by_role("button", name="Review change")).to_be_enabled(timeout=60_000)
         choose(page, "Tenant", "➕ a new tenant…")
         main(page).get_by_label("New tenant name", exact=True).fill("browser-tenant")
         main(page).get_by_label("New tenant name", exact=True).press("Enter")
