@@ -96,6 +96,13 @@ def browser():
         b.close()
 
 
+def open_page(page, url: str, text: str) -> None:
+    """Load `url`, wait for `text` to show and the script run to finish."""
+    page.goto(url, wait_until="domcontentloaded")
+    page.get_by_text(text).first.wait_for(timeout=60_000)
+    rendered(page)
+
+
 def rendered(page, timeout: int = 60_000) -> None:
     """Wait for the script run to finish (Streamlit streams elements while it runs)."""
     page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=timeout)
@@ -156,17 +163,13 @@ def test_per_workload_precision_recall_equals_the_raw_events(app_url, browser):
     assert len(expected) >= 2, expected  # the serve covered several workloads
     page = browser.new_page(viewport={"width": 1440, "height": 900})
     try:
-        page.goto(f"{base}/quality", wait_until="domcontentloaded")
-        page.get_by_text("Per workload, at accepted length ≥ 6").wait_for(timeout=60_000)
-        rendered(page)
+        open_page(page, f"{base}/quality", "Per workload, at accepted length ≥ 6")
         table = shown_table(page)
         assert {w: (r["Precision"], r["Recall"], int(r["Scored drafts"].replace(",", ""))) for w, r in table.items()} \
             == expected
         # A link with the selection reproduces the view: one workload, its own figures.
         workload = max(expected, key=lambda w: expected[w][2])
-        page.goto(f"{base}/quality?workload={workload}", wait_until="domcontentloaded")
-        page.get_by_text("Per workload, at accepted length ≥ 6").wait_for(timeout=60_000)
-        rendered(page)
+        open_page(page, f"{base}/quality?workload={workload}", "Per workload, at accepted length ≥ 6")
         assert list(shown_table(page)) == [workload]
         assert f"workload {workload}" in page.inner_text("body")
     finally:
@@ -199,9 +202,7 @@ def test_admin_session_survives_a_page_change(app_url, browser):
     base, _ = app_url
     page = browser.new_page(viewport={"width": 1440, "height": 900})
     try:
-        page.goto(f"{base}/thresholds", wait_until="domcontentloaded")
-        page.get_by_text("Set or clear an override").wait_for(timeout=60_000)
-        rendered(page)
+        open_page(page, f"{base}/thresholds", "Set or clear an override")
         login(page)
         sync_api.expect(page.get_by_role("button", name="Review change")).to_be_enabled(timeout=60_000)
         page.get_by_role("link", name="Versions").click()  # in-app navigation: the same session
@@ -227,9 +228,7 @@ def test_override_set_through_the_form_with_confirmation(app_url, browser):
     base, db = app_url
     page = browser.new_page(viewport={"width": 1440, "height": 1600})
     try:
-        page.goto(f"{base}/thresholds", wait_until="domcontentloaded")
-        page.get_by_text("Set or clear an override").wait_for(timeout=60_000)
-        rendered(page)
+        open_page(page, f"{base}/thresholds", "Set or clear an override")
         login(page)
         sync_api.expect(page.get_by_role("button", name="Review change")).to_be_enabled(timeout=60_000)
         choose(page, "Tenant", "➕ a new tenant…")
@@ -275,9 +274,7 @@ def test_pages_refresh_themselves(app_url, browser):
     base, _ = app_url
     page = browser.new_page(viewport={"width": 1440, "height": 900})
     try:
-        page.goto(f"{base}/health", wait_until="domcontentloaded")
-        page.get_by_text("Data as of").first.wait_for(timeout=60_000)
-        rendered(page)
+        open_page(page, f"{base}/health", "Data as of")
         first = re.search(r"Data as of ([0-9: -]+) UTC", page.inner_text("body")).group(1)
         page.wait_for_function(
             "(first) => { const m = document.body.innerText.match(/Data as of ([0-9: -]+) UTC/);"
