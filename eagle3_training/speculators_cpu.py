@@ -9,6 +9,7 @@ on a missing hidden-state file (the default would call a vLLM server).
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -58,6 +59,26 @@ def patch_for_cpu() -> None:
         return plain_loader(*args, **kwargs)
 
     dataloader.DataLoader = loader
+    record_every_validation(trainer.Trainer)
+
+
+def record_every_validation(trainer_class) -> None:
+    """The trainer writes validation metrics only for an epoch that lowers the loss; every epoch's go
+    beside its checkpoint (eagle3_training.selection.VALIDATION_FILE), so the epoch is chosen by what
+    serving gets, not by the loss alone."""
+    from eagle3_training.selection import VALIDATION_FILE
+
+    original = trainer_class.val_epoch
+
+    def val_epoch(self, epoch):
+        metrics = original(self, epoch)
+        if metrics is not None and isinstance(epoch, int):
+            out = self.checkpointer.path / str(epoch) / VALIDATION_FILE
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(metrics, indent=1, sort_keys=True) + "\n")
+        return metrics
+
+    trainer_class.val_epoch = val_epoch
 
 
 def main(argv: list[str] | None = None) -> None:

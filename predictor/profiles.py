@@ -16,9 +16,12 @@ class ProfileError(ValueError):
 
 @dataclass(frozen=True)
 class DrafterProfile:
-    """A model drafter for the simulator: a chain of `draft_len` tokens, each accepted with
-    probability `acceptance` (per workload where `by_workload` says) given the earlier ones were.
-    `measured` says the acceptance was measured under an engine, not assumed; the chain is simulated."""
+    """A model drafter for the simulator and the allocator's prior: a draft of `draft_len` tokens
+    whose survival curve S(j) = P(accepted >= j) is either MEASURED per position (`survival`, and
+    per workload `survival_by_workload`, from vLLM's per-position acceptance counters) or a chain
+    where each token is accepted with probability `acceptance` (per workload where `by_workload`
+    says) given the earlier ones were. `measured` says the figures were measured under an engine,
+    not assumed; the draws the simulator makes from the curve are simulated either way."""
 
     name: str
     draft_len: int
@@ -26,6 +29,8 @@ class DrafterProfile:
     description: str = ""
     by_workload: dict[str, float] = field(default_factory=dict)
     measured: bool = False
+    survival: tuple[float, ...] = ()
+    survival_by_workload: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.draft_len < 1:
@@ -33,25 +38,54 @@ class DrafterProfile:
         for label, value in [("acceptance", self.acceptance), *((f"by_workload.{w}", a) for w, a in self.by_workload.items())]:
             if not 0.0 <= value < 1.0:
                 raise ProfileError(f"drafter {self.name}: {label} must be in [0, 1), got {value}")
+        object.__setattr__(self, "survival", tuple(float(v) for v in self.survival))
+        object.__setattr__(self, "survival_by_workload",
+                           {w: tuple(float(v) for v in c) for w, c in self.survival_by_workload.items()})
+        curves = ([("survival", self.survival)] if self.survival else []) + \
+            [(f"survival_by_workload.{w}", c) for w, c in self.survival_by_workload.items()]
+        for label, curve in curves:
+            if len(curve) != self.draft_len:
+                raise ProfileError(f"drafter {self.name}: {label} must give {self.draft_len} positions "
+                                   f"(draft_len), got {len(curve)}")
+            if not all(0.0 <= v < 1.0 for v in curve) or any(b > a for a, b in zip(curve, curve[1:])):
+                raise ProfileError(f"drafter {self.name}: {label} must be non-increasing in [0, 1), got {list(curve)}")
 
     def acceptance_for(self, workload: str) -> float:
+        """The per-token chain acceptance: the profile's, or the chain with the measured curve's mean."""
+        if workload in self.survival_by_workload or (self.survival and workload not in self.by_workload):
+            return chain_acceptance(self.mean_accepted_for(workload), self.draft_len)
         return self.by_workload.get(workload, self.acceptance)
 
     def survival_for(self, workload: str) -> np.ndarray:
         """S(j) = P(accepted >= j), j = 1..draft_len, of this drafter on a workload: the allocator's
-        prior for the model drafter before live drafts are seen."""
+        prior for the model drafter before live drafts are seen, and what the simulator draws from."""
+        curve = self.survival_by_workload.get(workload)
+        if curve is None and self.survival and workload not in self.by_workload:
+            curve = self.survival
+        if curve is not None:
+            return np.array(curve, dtype=np.float64)
         return np.cumprod(np.full(self.draft_len, self.acceptance_for(workload), dtype=np.float64))
 
     def mean_accepted_for(self, workload: str) -> float:
-        return chain_mean(self.acceptance_for(workload), self.draft_len)
+        return float(self.survival_for(workload).sum())
 
     @property
     def mean_accepted(self) -> float:
+        if self.survival:
+            return float(sum(self.survival))
         return chain_mean(self.acceptance, self.draft_len)
 
     @property
     def tokens_per_cycle(self) -> float:
         return 1.0 + self.mean_accepted
+
+
+def accepted_from_survival(survival: np.ndarray, u: "float | np.ndarray") -> "int | np.ndarray":
+    """Accepted tokens of a draft drawn with uniform u: #{j : u < S(j)}, so P(accepted >= j) = S(j).
+    For a chain (S(j) = p^j) this is floor(log u / log p) capped at the draft length."""
+    s = np.asarray(survival, dtype=np.float64)
+    out = (np.asarray(u, dtype=np.float64)[..., None] < s).sum(axis=-1)
+    return int(out) if out.ndim == 0 else out.astype(np.int64)
 
 
 def chain_mean(acceptance: float, draft_len: int) -> float:

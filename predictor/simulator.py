@@ -26,7 +26,7 @@ import numpy as np
 
 from predictor.allocator import AUTO, FORCE_NONE, allocate, allocate_each
 from predictor.goodput import model_step_ms, tau_star
-from predictor.profiles import CostProfile, DrafterProfile
+from predictor.profiles import CostProfile, DrafterProfile, accepted_from_survival
 from predictor.traces import WORKLOADS
 
 POLICIES: tuple[str, ...] = ("none", "suffix", "model", "arctic", "hvd", "hvd-binary", "oracle", "oracle-length")
@@ -132,13 +132,13 @@ class Walk:
 
 
 def model_accepted(rows: int, drafter: DrafterProfile, seed: int, workload: np.ndarray | None = None) -> np.ndarray:
-    """Accepted tokens of the simulated model drafter per row: P(a >= i) = acceptance ** i, with the
-    acceptance of each row's workload (index into WORKLOADS) where the profile has one."""
+    """Accepted tokens of the simulated model drafter per row, drawn from the survival curve of each
+    row's workload (index into WORKLOADS; the profile's overall curve without one)."""
     u = np.random.default_rng(seed).random(rows)
-    p = _row_values(drafter.acceptance_for, drafter.acceptance, rows, workload)
-    with np.errstate(divide="ignore"):
-        a = np.where(p > 0.0, np.floor(np.log(np.maximum(u, 1e-300)) / np.log(np.where(p > 0.0, p, 0.5))), 0.0)
-    return np.minimum(a, drafter.draft_len).astype(np.int64)
+    if workload is None:
+        return accepted_from_survival(drafter.survival_for(""), u)
+    curves = model_curves(drafter)[np.asarray(workload, dtype=np.int64)]
+    return (u[:, None] < curves).sum(axis=1).astype(np.int64)
 
 
 def _row_values(of_workload, default: float, rows: int, workload: np.ndarray | None) -> np.ndarray:

@@ -9,8 +9,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 from sqlalchemy import Engine, create_engine, make_url, text
 from sqlalchemy.exc import OperationalError
+
+# Property tests check values, not speed: a per-example deadline fails them on a busy shared machine.
+settings.register_profile("hvd", deadline=None)
+settings.load_profile("hvd")
 
 # Test files (or file::test) that need each heavy dependency; db_url's postgresql param adds `postgres`.
 MARKED = {

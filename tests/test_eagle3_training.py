@@ -73,8 +73,14 @@ def test_hooks_take_the_states_vllm_feeds_the_head():
 def test_tiny_pipeline_end_to_end_and_resumes(tmp_path):
     cfg = PipelineConfig(work=tmp_path / "work", out=tmp_path / "head", tokens=96, held_out_tokens=24,
                          max_new_tokens=12, batch=4, shard_prompts=4, context_tokens=16, epochs=1, max_steps=2,
-                         total_seq_len=256, draft_vocab=512)
+                         total_seq_len=256, draft_vocab=512, lr_candidates=(3e-4, 1e-3))
     prov = run(cfg)
+    assert set(prov["lr_sweep"]) == {"0.0003", "0.001"} and f"{prov['lr']:g}" in prov["lr_sweep"]
+    chosen = prov["lr_sweep"][f"{prov['lr']:g}"]["expected_accepted"]
+    assert chosen == max(v["expected_accepted"] for v in prov["lr_sweep"].values())
+    assert [e["epoch"] for e in prov["held_out_torch_by_epoch"]] == [1]
+    assert prov["held_out_torch"]["expected_accepted_k3"] == pytest.approx(
+        sum(prov["held_out_torch"]["accuracy_by_position"]), abs=1e-4)
     samples = read_samples(cfg.work / "samples")
     assert sum(len(s.output_ids) for s in samples) >= 96 and len(samples) % 4 == 0
     assert prov["data"]["train_answer_tokens"] >= 96 and 1 <= prov["steps"] <= 2
@@ -87,12 +93,15 @@ def test_tiny_pipeline_end_to_end_and_resumes(tmp_path):
     assert config["speculators_model_type"] == "eagle3"
     assert len(prov["held_out_torch"]["accuracy_by_position"]) == 3
     assert prov["held_out_vllm"]["drafts"] > 0  # vLLM loaded the exported head and drafted with it
+    sweep_runs = sorted((cfg.work / "lr-sweep").iterdir())
+    assert len(sweep_runs) == 2
     # a rerun finds every answer and hidden state on disk: no engine, no forward
     before = {p: p.stat().st_mtime_ns for p in (cfg.work / "hs_train").glob("hs_*.safetensors")}
     shards = sorted(p.name for p in (cfg.work / "samples").glob("shard-*"))
     run(cfg)
     assert {p: p.stat().st_mtime_ns for p in (cfg.work / "hs_train").glob("hs_*.safetensors")} == before
     assert sorted(p.name for p in (cfg.work / "samples").glob("shard-*")) == shards
+    assert sorted((cfg.work / "lr-sweep").iterdir()) == sweep_runs  # the sweep is not trained again
 
 
 def test_changed_generation_settings_are_refused(tmp_path):

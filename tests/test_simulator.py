@@ -362,8 +362,8 @@ def test_model_accepted_matches_profile(drafter):
     a = model_accepted(200_000, drafter, seed=3)
     assert a.min() >= 0 and a.max() <= drafter.draft_len
     assert a.mean() == pytest.approx(drafter.mean_accepted, abs=0.02)
-    for i in range(1, drafter.draft_len + 1):  # P(a >= i) = acceptance ** i
-        assert (a >= i).mean() == pytest.approx(drafter.acceptance**i, abs=0.01)
+    for i in range(1, drafter.draft_len + 1):  # P(a >= i) = S(i): acceptance ** i for a chain
+        assert (a >= i).mean() == pytest.approx(drafter.survival_for("")[i - 1], abs=0.01)
     assert np.array_equal(a, model_accepted(200_000, drafter, seed=3))
     assert not np.array_equal(a, model_accepted(200_000, drafter, seed=4))
 
@@ -385,6 +385,36 @@ def test_per_workload_acceptance_is_used_per_row():
     assert chain_acceptance(chain_mean(0.37, 3), 3) == pytest.approx(0.37, abs=1e-9)
     with pytest.raises(ProfileError, match="by_workload.sql"):
         DrafterProfile("bad", 3, 0.2, by_workload={"sql": 1.5})
+
+
+def test_a_measured_survival_curve_is_what_the_allocator_and_the_simulator_use(tmp_path):
+    from predictor.profiles import accepted_from_survival, chain_mean
+    from predictor.traces import WORKLOADS
+
+    from controller.engines.trace_engine import model_draft_accepted
+    from eagle3_training.acceptance import Acceptance, profile_snippet
+
+    rows = [Acceptance("sql", 6, 900, 100, 300, 150, [70, 50, 30], 1.0),
+            Acceptance("chat", 6, 900, 200, 600, 90, [60, 20, 10], 1.0)]
+    (tmp_path / "p.toml").write_text(profile_snippet("m", rows, 3, "cmd") + "\n")
+    d = drafter_profiles(tmp_path / "p.toml")["m"]
+    assert d.measured and d.survival_for("sql").tolist() == [0.7, 0.5, 0.3]
+    assert d.survival_for("chat").tolist() == [0.3, 0.1, 0.05]
+    assert d.survival_for("agentic").tolist() == pytest.approx([130 / 300, 70 / 300, 40 / 300], abs=1e-4)  # overall
+    assert d.mean_accepted_for("sql") == pytest.approx(1.5)
+    assert chain_mean(d.acceptance_for("sql"), 3) == pytest.approx(1.5, abs=1e-6)  # same mean as a chain
+    workload = np.array([WORKLOADS.index("sql")] * 100_000 + [WORKLOADS.index("chat")] * 100_000)
+    a = model_accepted(len(workload), d, seed=2, workload=workload)
+    for i, (s_sql, s_chat) in enumerate(zip([0.7, 0.5, 0.3], [0.3, 0.1, 0.05]), 1):
+        assert (a[:100_000] >= i).mean() == pytest.approx(s_sql, abs=0.01)
+        assert (a[100_000:] >= i).mean() == pytest.approx(s_chat, abs=0.01)
+    draws = [model_draft_accepted(d, 0, "t", pos, "sql") for pos in range(20_000)]
+    assert np.mean(draws) == pytest.approx(1.5, abs=0.05)
+    assert accepted_from_survival(np.array([0.7, 0.5, 0.3]), 0.6) == 1
+    with pytest.raises(ProfileError, match="survival_by_workload.sql must be non-increasing"):
+        DrafterProfile("bad", 3, 0.2, survival_by_workload={"sql": (0.2, 0.5, 0.1)})
+    with pytest.raises(ProfileError, match="must give 3 positions"):
+        DrafterProfile("bad", 3, 0.2, survival=(0.5, 0.2))
 
 
 def test_gpu_profile_has_a_compute_bound_floor_from_published_figures():

@@ -11,7 +11,6 @@ runtime's cost profile (its batch, query tokens and model draft length), shared 
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -20,7 +19,7 @@ import numpy as np
 from controller.core.decision import CACHE, MODEL
 from controller.core.runtime import RequestInput, Runtime, StepPlan
 from predictor.labels import lcp
-from predictor.profiles import DrafterProfile
+from predictor.profiles import DrafterProfile, accepted_from_survival
 from predictor.trace_replay import deployments
 from predictor.simulator import Tally
 from predictor.tokens import TraceTokenizer
@@ -51,14 +50,10 @@ class _Live:
 
 def model_draft_accepted(drafter: DrafterProfile, seed: int, trace_id: str, position: int, workload: str) -> int:
     """The simulated model drafter's accepted length at one position: deterministic per (seed, trace,
-    position), P(a >= i) = acceptance ** i (the workload's, where the profile has one), capped at the
-    draft length."""
+    position), drawn from the workload's survival curve (P(accepted >= j) = S(j))."""
     digest = hashlib.blake2b(f"{seed}:{trace_id}:{position}".encode(), digest_size=8).digest()
     u = (int.from_bytes(digest, "little") + 0.5) / 2.0**64
-    p = drafter.acceptance_for(workload)
-    if p <= 0.0:
-        return 0
-    return int(min(drafter.draft_len, math.floor(math.log(u) / math.log(p))))
+    return accepted_from_survival(drafter.survival_for(workload), u)
 
 
 def run_replay(runtime: Runtime, records: Sequence[TraceRecord], tokenizer: TraceTokenizer,
