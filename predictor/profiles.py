@@ -82,7 +82,8 @@ class DrafterProfile:
 
 def accepted_from_survival(survival: np.ndarray, u: "float | np.ndarray") -> "int | np.ndarray":
     """Accepted tokens of a draft drawn with uniform u: #{j : u < S(j)}, so P(accepted >= j) = S(j).
-    For a chain (S(j) = p^j) this is floor(log u / log p) capped at the draft length."""
+    For a chain (S(j) = p^j) this is floor(log u / log p) capped at the draft length. `survival` is
+    one curve, or one curve per draw ((n, k) against n draws)."""
     s = np.asarray(survival, dtype=np.float64)
     out = (np.asarray(u, dtype=np.float64)[..., None] < s).sum(axis=-1)
     return int(out) if out.ndim == 0 else out.astype(np.int64)

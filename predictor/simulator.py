@@ -137,8 +137,7 @@ def model_accepted(rows: int, drafter: DrafterProfile, seed: int, workload: np.n
     u = np.random.default_rng(seed).random(rows)
     if workload is None:
         return accepted_from_survival(drafter.survival_for(""), u)
-    curves = model_curves(drafter)[np.asarray(workload, dtype=np.int64)]
-    return (u[:, None] < curves).sum(axis=1).astype(np.int64)
+    return accepted_from_survival(model_curves(drafter)[np.asarray(workload, dtype=np.int64)], u)
 
 
 def _row_values(of_workload, default: float, rows: int, workload: np.ndarray | None) -> np.ndarray:
