@@ -50,18 +50,25 @@ class DrafterProfile:
             if not all(0.0 <= v < 1.0 for v in curve) or any(b > a for a, b in zip(curve, curve[1:])):
                 raise ProfileError(f"drafter {self.name}: {label} must be non-increasing in [0, 1), got {list(curve)}")
 
+    def _measured_curve(self, workload: str) -> tuple[float, ...] | None:
+        """The measured S(j) that applies to a workload: its own, else the overall one unless the
+        workload has its own chain acceptance; None where the profile is a chain."""
+        curve = self.survival_by_workload.get(workload)
+        if curve is None and self.survival and workload not in self.by_workload:
+            curve = self.survival
+        return curve
+
     def acceptance_for(self, workload: str) -> float:
         """The per-token chain acceptance: the profile's, or the chain with the measured curve's mean."""
-        if workload in self.survival_by_workload or (self.survival and workload not in self.by_workload):
-            return chain_acceptance(self.mean_accepted_for(workload), self.draft_len)
+        curve = self._measured_curve(workload)
+        if curve is not None:
+            return chain_acceptance(sum(curve), self.draft_len)
         return self.by_workload.get(workload, self.acceptance)
 
     def survival_for(self, workload: str) -> np.ndarray:
         """S(j) = P(accepted >= j), j = 1..draft_len, of this drafter on a workload: the allocator's
         prior for the model drafter before live drafts are seen, and what the simulator draws from."""
-        curve = self.survival_by_workload.get(workload)
-        if curve is None and self.survival and workload not in self.by_workload:
-            curve = self.survival
+        curve = self._measured_curve(workload)
         if curve is not None:
             return np.array(curve, dtype=np.float64)
         return np.cumprod(np.full(self.draft_len, self.acceptance_for(workload), dtype=np.float64))
