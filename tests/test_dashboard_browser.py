@@ -104,8 +104,10 @@ def open_page(page, url: str, text: str) -> None:
 
 
 def rendered(page, timeout: int = 60_000) -> None:
-    """Wait for the script run to finish (Streamlit streams elements while it runs)."""
-    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=timeout)
+    """Wait for the script run to finish (Streamlit streams elements while it runs, and keeps the
+    previous run's elements, marked stale, until the new run has replaced or dropped them)."""
+    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')"
+                           " && !document.querySelector('[data-stale=\"true\"]')", timeout=timeout)
 
 
 @pytest.mark.parametrize("viewport", VIEWPORTS, ids=[f"{w}x{h}" for w, h in VIEWPORTS])
@@ -190,9 +192,15 @@ def main(page):
     return page.get_by_test_id("stMainBlockContainer")
 
 
+def field(page, label: str):
+    """The page's live input labelled `label`: a rerun can briefly leave the previous run's input,
+    disabled (read-only before the admin logged in), beside the new one."""
+    return main(page).get_by_label(label, exact=True).and_(page.locator(":enabled"))
+
+
 def choose(page, label: str, option: str) -> None:
     """Pick `option` in the page's selectbox labelled `label`."""
-    box = main(page).get_by_label(label, exact=True)
+    box = field(page, label)
     box.click()
     page.get_by_role("option", name=option, exact=True).click()
     rendered(page)
@@ -232,15 +240,15 @@ def test_override_set_through_the_form_with_confirmation(app_url, browser):
         login(page)
         sync_api.expect(page.get_by_role("button", name="Review change")).to_be_enabled(timeout=60_000)
         choose(page, "Tenant", "➕ a new tenant…")
-        main(page).get_by_label("New tenant name", exact=True).fill("browser-tenant")
-        main(page).get_by_label("New tenant name", exact=True).press("Enter")
+        field(page, "New tenant name").fill("browser-tenant")
+        field(page, "New tenant name").press("Enter")
         rendered(page)
         choose(page, "Workload", "sql")
-        main(page).get_by_label("tau", exact=True).fill("4.5")
-        main(page).get_by_label("tau", exact=True).press("Enter")
+        field(page, "tau").fill("4.5")
+        field(page, "tau").press("Enter")
         rendered(page)
-        main(page).get_by_label("Reason", exact=True).fill("browser test")
-        main(page).get_by_label("Reason", exact=True).press("Enter")
+        field(page, "Reason").fill("browser test")
+        field(page, "Reason").press("Enter")
         rendered(page)
         page.get_by_role("button", name="Review change").click()
         page.get_by_text("Confirm: effective tau of tenant 'browser-tenant'").wait_for(timeout=60_000)
