@@ -71,11 +71,14 @@ class Batch:
     tau: np.ndarray  # the threshold each draft was (or would have been) held to
     tenant: np.ndarray | None = None  # object array of tenant names, where known
     decided: np.ndarray | None = None  # bool: a step's decision point (else a shadow draft), where known
+    request: np.ndarray | None = None  # object array of request ids, where known
+    position: np.ndarray | None = None  # int64: output tokens emitted when the draft was made, where known
+
+    OPTIONAL = ("tenant", "decided", "request", "position")
 
     def take(self, rows: np.ndarray | slice) -> "Batch":
         return Batch(self.features[rows], self.label[rows], self.draft_len[rows], self.workload[rows], self.tau[rows],
-                     None if self.tenant is None else self.tenant[rows],
-                     None if self.decided is None else self.decided[rows])
+                     *(None if getattr(self, name) is None else getattr(self, name)[rows] for name in self.OPTIONAL))
 
     @staticmethod
     def join(parts: "list[Batch]") -> "Batch":
@@ -83,7 +86,7 @@ class Batch:
             values = [getattr(p, name) for p in parts]
             return None if any(v is None for v in values) else np.concatenate(values)
 
-        return Batch(*(cat(name) for name in ("features", "label", "draft_len", "workload", "tau", "tenant", "decided")))
+        return Batch(*(cat(name) for name in ("features", "label", "draft_len", "workload", "tau", *Batch.OPTIONAL)))
 
 
 class OnlineLearner:
@@ -239,7 +242,8 @@ def batch_from_events(events: Sequence, tau_of: Callable[[np.ndarray, np.ndarray
     if not rows:
         empty = np.zeros(0)
         return Batch(np.zeros((0, NUM_FEATURES), np.float32), empty.astype(np.float32), empty.astype(int),
-                     empty.astype(int), empty, np.zeros(0, dtype=object), np.zeros(0, dtype=bool))
+                     empty.astype(int), empty, np.zeros(0, dtype=object), np.zeros(0, dtype=bool),
+                     np.zeros(0, dtype=object), empty.astype(np.int64))
     x = np.frombuffer(b"".join(e.features for e in rows), dtype=np.float32).reshape(len(rows), NUM_FEATURES)
     k = np.array([e.draft_len for e in rows], dtype=np.int64)
     w = np.array([WORKLOADS.index(e.workload) for e in rows], dtype=np.int64)
@@ -248,4 +252,6 @@ def batch_from_events(events: Sequence, tau_of: Callable[[np.ndarray, np.ndarray
     if missing.any():
         tau[missing] = tau_of(k[missing], w[missing])
     return Batch(x.copy(), np.array([e.accepted for e in rows], dtype=np.float32), k, w, tau,
-                 np.array([e.tenant for e in rows], dtype=object), np.array([e.decision != "shadow" for e in rows]))
+                 np.array([e.tenant for e in rows], dtype=object), np.array([e.decision != "shadow" for e in rows]),
+                 np.array([e.request_id for e in rows], dtype=object),
+                 np.array([e.position for e in rows], dtype=np.int64))

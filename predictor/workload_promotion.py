@@ -2,12 +2,13 @@
 
 The newest `holdout` labelled drafts of each workload are held back from the challenger: the learner
 trains on a draft only once it leaves its workload's window. Every `check_every` new drafts of a
-workload, champion and challenger are replayed on that window's decision points (the drafts a step
-decided on, not the shadow drafts between them; predictor.counterfactual: the allocator's choices
-from each one's survival curves, realised from the hindsight labels, at the cost profile's prices) and the challenger becomes that workload's champion only where its goodput
-beats the champion's by `margin`, and clearly (predictor.counterfactual.wins: the gain over ten
-contiguous slices of the window, less two standard errors, is above zero; a 1% edge on a thousand
-correlated drafts is noise). After a promotion the workload is watched: once its window holds only
+workload, champion and challenger are replayed along the window's request paths
+(predictor.counterfactual.replay_paths: the allocator's choices from each one's survival curves,
+each policy walking its own path through the hindsight-labelled drafts, at the cost profile's
+prices) and the challenger becomes that workload's champion only where its goodput beats the
+champion's by `margin`, and clearly (predictor.counterfactual.wins: the gain over contiguous groups
+of the window's paths, less two standard errors, is above zero; a 1% edge on a thousand correlated
+drafts is noise). After a promotion the workload is watched: once its window holds only
 drafts served after the promotion, the new champion is replayed against the one it replaced, and a
 clear loss beyond `rollback_margin` moves the workload back. Both models are compared raw
 (without the fast calibration, which is fitted afresh to whichever champion serves).
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from predictor.counterfactual import CounterfactualPolicy, Goodput, gain, replay_goodput, wins
+from predictor.counterfactual import CounterfactualPolicy, Goodput, Paths, gain, replay_paths, wins
 from predictor.mlp import GatePredictor
 from predictor.online import Batch
 from predictor.profiles import CostProfile
@@ -60,19 +61,26 @@ class _Window:
 class WorkloadPromoter:
     def __init__(self, policy: CounterfactualPolicy, num_features: int, workloads: int) -> None:
         self.policy = policy
+        self._unnamed = 0  # drafts given a request of their own so far
         empty = np.zeros(0)
         self._windows = [_Window(Batch(np.zeros((0, num_features), np.float32), empty.astype(np.float32),
                                        empty.astype(np.int64), empty.astype(np.int64), empty, empty.astype(object),
-                                       empty.astype(bool)))
+                                       empty.astype(bool), empty.astype(object), empty.astype(np.int64)))
                          for _ in range(workloads)]
 
     def hold(self, batch: Batch) -> Batch:
         """Put the new drafts in their workloads' windows; returns the drafts that left them (the
         oldest), which the challenger (and the fast calibration) may now learn from."""
         n = len(batch.label)
+        # Drafts of unknown request and position (-1) each stand alone: a path of one step (predictor.counterfactual.Paths).
+        alone = batch.request is None or batch.position is None
         batch = Batch(batch.features, batch.label, batch.draft_len, batch.workload, batch.tau,
                       np.full(n, "", dtype=object) if batch.tenant is None else batch.tenant,
-                      np.ones(n, dtype=bool) if batch.decided is None else batch.decided)
+                      np.ones(n, dtype=bool) if batch.decided is None else batch.decided,
+                      np.array([f"#{self._unnamed + i}" for i in range(n)], dtype=object) if alone else batch.request,
+                      np.full(n, -1, dtype=np.int64) if alone else batch.position)
+        if alone:
+            self._unnamed += n
         out: list[Batch] = [batch.take(slice(0, 0))]
         for w in np.unique(batch.workload).tolist():
             sel = batch.workload == w
@@ -87,11 +95,6 @@ class WorkloadPromoter:
                 out.append(win.drafts.take(slice(0, spill)))
                 win.drafts = win.drafts.take(slice(spill, None))
         return Batch.join(out)
-
-    def window(self, w: int) -> Batch:
-        """Workload `w`'s held-back drafts at the steps' decision points, oldest first: the drafts
-        serving actually decided on (the shadow drafts in between were never a choice)."""
-        return _decision_points(self._windows[w].drafts)
 
     def due(self) -> list[int]:
         """Workloads whose window is full and has seen `check_every` new drafts since its last check."""
@@ -126,18 +129,26 @@ class WorkloadPromoter:
 
     @staticmethod
     def _replay(win: _Window, gate: GatePredictor, model_survival: np.ndarray, cost: CostProfile) -> Goodput:
-        d = _decision_points(win.drafts)
-        return replay_drafts(gate.survival(d.features), d, model_survival, cost)
+        return replay_drafts(gate.survival(win.drafts.features), win.drafts, model_survival, cost)
+
+    def drafts(self, w: int) -> Batch:
+        """Workload `w`'s held-back drafts, oldest first (decision points and the shadow drafts between)."""
+        return self._windows[w].drafts
 
     def window_size(self, w: int) -> int:
         return len(self._windows[w].drafts.label)
 
 
-def _decision_points(drafts: Batch) -> Batch:
-    return drafts.take(drafts.decided)
+
+def paths_of(drafts: Batch) -> Paths:
+    """The drafts along their requests' paths (drafts of unknown request stand alone)."""
+    n = len(drafts.label)
+    return Paths.of(np.full(n, "", dtype=object) if drafts.request is None else drafts.request,
+                    np.full(n, -1, dtype=np.int64) if drafts.position is None else drafts.position,
+                    drafts.draft_len, drafts.label, np.ones(n, dtype=bool) if drafts.decided is None else drafts.decided)
 
 
 def replay_drafts(curves: np.ndarray, drafts: Batch, model_survival: np.ndarray, cost: CostProfile) -> Goodput:
-    """predictor.counterfactual.replay_goodput on a batch of drafts, the model drafter's curve the same for all."""
-    se = np.broadcast_to(model_survival, (len(drafts.label), model_survival.shape[-1]))
-    return replay_goodput(curves, drafts.draft_len, drafts.label.astype(np.float64), se, cost)
+    """predictor.counterfactual.replay_paths on a batch of drafts (one curve per draft), the model
+    drafter's curve the same for all."""
+    return replay_paths(curves, paths_of(drafts), np.asarray(model_survival).reshape(-1), cost)

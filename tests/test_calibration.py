@@ -90,3 +90,31 @@ def test_newton_with_no_signal_stays_at_the_identity_and_from_json_names_what_is
         Calibration.from_json({"slope": [1.0] * 3, "bias": [0.0] * K})
     with pytest.raises(CalibrationError, match="'slope' and 'bias'"):
         Calibration.from_json({"bias": [0.0] * K})
+
+
+def test_the_refit_takes_the_shift_the_score_prefers_and_the_smaller_one_on_a_tie():
+    """The shift is chosen by what the caller's counterfactual score says it buys, not by the log loss."""
+    from predictor.calibration import ScopeFitter
+
+    n = 400
+    draft_len = np.full(n, 8)
+    curves = _curves(n, 5, draft_len)
+    label = np.random.default_rng(5).integers(0, 9, n)
+    shifts = (-1.0, -0.5, 0.0, 0.5, 1.0)
+    seen = []
+
+    def score(recent):
+        seen.append(recent)
+        # prefers corrected curves whose mean expected length is closest to 5.3
+        return lambda corrected: -abs(float(corrected.sum(axis=1).mean()) - 5.3)
+
+    fitter = ScopeFitter(window=1000, prior=1e9, shifts=shifts)  # a prior this strong keeps the fit at the identity
+    fitter.add(curves, draft_len, label, np.ones(n, dtype=bool), np.full(n, "r", dtype=object), np.arange(n))
+    chosen = fitter.fit(score)
+    means = {s: float(apply(curves, draft_len, np.ones(K), np.full(K, s)).sum(axis=1).mean()) for s in shifts}
+    best = min(shifts, key=lambda s: abs(means[s] - 5.3))
+    assert np.allclose(chosen.bias, best, atol=1e-6) and np.allclose(chosen.slope, 1.0, atol=1e-6)
+    assert seen[0].position.tolist() == list(range(n)) and seen[0].request[0] == "r"  # the paths' inputs
+    flat = ScopeFitter(window=1000, prior=1e9, shifts=shifts)
+    flat.add(curves, draft_len, label)
+    assert np.allclose(flat.fit(lambda recent: lambda corrected: 1.0).bias, 0.0, atol=1e-6)  # a tie: no move

@@ -109,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     sc.add_argument("--source", action="append", help="unseen: a source to leave out (repeatable; default every one)")
     sc.add_argument("--max-tokens", type=int, default=100_000,
                     help="unseen: each source's stream, whole sessions up to this many tokens (default 100000; 0: all)")
+    sc.add_argument("--informed", action="store_true",
+                    help="unseen: also serve from a gate trained with the source in (not deployable: the ceiling "
+                         "for what learning the source can win)")
     sc.add_argument("--workload", default="sql", help="shift: the workload left out of the warm start (default sql)")
     sc.add_argument("--others", type=int, default=400, help="shift: requests of other workloads served first (default 400)")
     sc.add_argument("--window-tokens", type=int, default=None,
@@ -395,7 +398,7 @@ def _scenario_unseen(args: argparse.Namespace, path: Path) -> int:
     for source in args.source or known:
         print(f"leaving out {source}:", flush=True)
         reports.append(run_unseen(data, source, path.parent / "scenario-unseen", opts, window_tokens=window,
-                                  max_tokens=args.max_tokens or None))
+                                  max_tokens=args.max_tokens or None, informed=args.informed))
         print(format_windows(reports[-1]), flush=True)
     print(format_table(reports))
     path.parent.mkdir(parents=True, exist_ok=True)

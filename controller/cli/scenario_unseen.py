@@ -43,6 +43,10 @@ TRAIN_DRAFTS = 300_000
 MAX_TOKENS = 100_000
 WITHIN = 0.05  # the target: within 5% of the oracle after the first window
 MODES = ("learn", "static", "oracle")  # learning on, learning off, the binary oracle gate
+# Served like "static" but from a gate that was trained with S in (S's drafts, repeated to as many
+# as the others' sample, beside that sample): not deployable, it has seen the stream it serves. It bounds what learning S can
+# win: a learner that had fully learned S would serve about like this.
+INFORMED = "informed"
 CALIBRATION_BINS = (0.0, 1.0, 2.0, 4.0, 8.0, np.inf)
 
 
@@ -116,13 +120,14 @@ def calibration_gap(predicted: np.ndarray, label: np.ndarray) -> float:
 
 
 def train_without(data: Dataset, source: str, config: TrainConfig, cache_dir: Path | None,
-                  log: Callable[[str], None], max_drafts: int = TRAIN_DRAFTS) -> GatePredictor:
+                  log: Callable[[str], None], max_drafts: int = TRAIN_DRAFTS, informed: bool = False) -> GatePredictor:
     """The warm-start predictor on every source but `source` (both split sides; at most
-    `max_drafts` of their drafts, a seeded uniform sample); cached by the replay key, the source,
-    the sample size and the training config, since training is the slow part."""
+    `max_drafts` of their drafts, a seeded uniform sample); with `informed`, the same sample plus
+    as many of `source`'s drafts, repeated (the ceiling, see INFORMED). Cached by the replay key, the source, the
+    sample size and the training config, since training is the slow part."""
     key = hashlib.sha256(json.dumps([data.key, source, config.to_json(), max_drafts, schema_hash()]).encode()
                          ).hexdigest()[:16]
-    path = None if cache_dir is None else cache_dir / f"without-{source}-{key}.hvd"
+    path = None if cache_dir is None else cache_dir / f"{'with' if informed else 'without'}-{source}-{key}.hvd"
     if path is not None and path.exists():
         return GatePredictor.from_bytes(path.read_bytes(), expected_schema_hash=schema_hash())
     rp = data.replay
@@ -130,7 +135,10 @@ def train_without(data: Dataset, source: str, config: TrainConfig, cache_dir: Pa
     rows = np.flatnonzero((rp.draft_len > 0) & (row_source != source))
     if len(rows) > max_drafts:
         rows = np.sort(np.random.default_rng(config.seed).choice(rows, max_drafts, replace=False))
-    log(f"  training the warm start without {source} on {len(rows)} drafts of the other sources")
+    if informed:  # S's drafts repeated to as many as the others' sample: half of what the gate learns from
+        own = np.flatnonzero((rp.draft_len > 0) & (row_source == source))
+        rows = np.concatenate([rows, np.tile(own, max(1, -(-len(rows) // max(len(own), 1))))[: max(len(rows), len(own))]])
+    log(f"  training the {'informed gate with' if informed else 'warm start without'} {source} on {len(rows)} drafts")
     gate = GatePredictor.from_torch(train_gate(rp.features[rows], rp.label[rows], rp.row_workload()[rows], config),
                                     schema_hash())
     if path is not None:
@@ -212,8 +220,10 @@ def after_first(windows: list[WindowFigures], attr: str) -> float:
 
 def run_unseen(data: Dataset, source: str, folder: Path, opts: ReplayServeOptions | None = None,
                train: TrainConfig | None = None, window_tokens: int = WINDOW_TOKENS,
-               max_tokens: int | None = MAX_TOKENS, log: Callable[[str], None] = print) -> dict:
-    """Leave `source` out of the warm start, serve its stream three ways; the report as plain data."""
+               max_tokens: int | None = MAX_TOKENS, informed: bool = False,
+               log: Callable[[str], None] = print) -> dict:
+    """Leave `source` out of the warm start, serve its stream three ways (four with `informed`: the
+    ceiling for learning); the report as plain data."""
     known = sources(data.records)
     if source not in known:
         raise ValueError(f"unknown source {source!r}; bundled sources: {', '.join(known)}")
@@ -223,6 +233,9 @@ def run_unseen(data: Dataset, source: str, folder: Path, opts: ReplayServeOption
     gate = train_without(data, source, train, folder / "gates", log)
     stream = stream_of(data, source, max_tokens)
     modes = {m: serve_mode(m, gate, stream, folder, opts, window_tokens, log) for m in MODES}
+    if informed:
+        modes[INFORMED] = serve_mode(INFORMED, train_without(data, source, train, folder / "gates", log, informed=True),
+                                     stream, folder, opts, window_tokens, log)
     return summarise(source, stream[0].workload, modes)
 
 
@@ -230,9 +243,14 @@ def summarise(source: str, workload: str, modes: dict[str, ModeReport]) -> dict:
     learn, static, oracle = modes["learn"], modes["static"], modes["oracle"]
     later = {m: after_first(r.windows, "cycles_per_1k") for m, r in modes.items()}
     later_ms = {m: after_first(r.windows, "ms_per_1k") for m, r in modes.items()}
+    ceiling = {}
+    if INFORMED in modes:
+        informed = modes[INFORMED]
+        ceiling = {"ceiling_gain": round(1.0 - informed.cycles_per_1k / static.cycles_per_1k, 4),
+                   "ceiling_gain_ms": round(1.0 - informed.ms_per_1k / static.ms_per_1k, 4)}
     return {
         "source": source, "workload": workload, "tokens": learn.tokens,
-        "modes": {m: asdict(r) for m, r in modes.items()},
+        "modes": {m: asdict(r) for m, r in modes.items()}, **ceiling,
         "learning_gain": round(1.0 - learn.cycles_per_1k / static.cycles_per_1k, 4),
         "learning_gain_ms": round(1.0 - learn.ms_per_1k / static.ms_per_1k, 4),
         "above_oracle": round(learn.cycles_per_1k / oracle.cycles_per_1k - 1.0, 4),
@@ -285,6 +303,9 @@ def format_table(reports: list[dict]) -> str:
             f"{m['learn']['promotions']:4d} {m['learn']['rollbacks']:3d}")
     lines.append("gain: learning on vs off (cycles/1k, then ms/1k); >20k vs oracle: learning on above the binary oracle "
                  "gate after the first 20k tokens (cycles/1k, then ms/1k); P/R@6 of the learning run after the first 20k")
+    if all("ceiling_gain" in r for r in reports):
+        lines.append("ceiling (served from a gate trained with the source in, vs learning off): " + ", ".join(
+            f"{r['source']} {100 * r['ceiling_gain']:+.1f}% cycles {100 * r['ceiling_gain_ms']:+.1f}% ms" for r in reports))
     for what, met, detail in checks(reports):
         lines.append(f"  [{'met' if met else 'MISSED'}] {what}: {detail}")
     return "\n".join(lines)

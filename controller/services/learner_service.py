@@ -10,6 +10,7 @@ so a dead leader is replaced.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -19,9 +20,9 @@ from sqlalchemy import Engine
 from controller.core.decision import DecisionConfig, effective_rule
 from controller.core.tau_tuner import TauTuner
 from controller.services.lifecycle import BackgroundService
-from predictor.calibration import Calibrator
+from predictor.calibration import Calibrator, Recent
 from predictor.champion import CHAMPION, load_gate, promote, promote_for_workload, version_kind, workload_champions
-from predictor.counterfactual import served_curves_from, wins
+from predictor.counterfactual import Paths, replay_paths, served_curves_from, wins
 from predictor.features import NUM_FEATURES
 from predictor.goodput import model_step_ms
 from predictor.mlp import SURVIVAL_K, GatePredictor
@@ -210,11 +211,12 @@ class LearnerService(BackgroundService):
             sel = released.workload == w
             curves[sel] = self._serving(WORKLOADS[w])[1].survival(released.features[sel])
         changed = self.calibrator.observe(curves, released.draft_len, released.label, released.workload,
-                                          released.tenant, WORKLOADS)
+                                          released.tenant, WORKLOADS, released.decided, released.request,
+                                          released.position, self._score)
         judged = {}
         for (workload, tenant), calibration in changed.items():
             w = WORKLOADS.index(workload)
-            window = self.promoter.window(w)
+            window = self.promoter.drafts(w)
             if tenant is not None:
                 window = window.take(window.tenant == tenant)
             if len(window.label) < MIN_JUDGED:
@@ -227,6 +229,18 @@ class LearnerService(BackgroundService):
             judged[(workload, tenant)] = (calibration, pays, verdict)
         self.stats.calibrations += len(judged)
         return judged
+
+    def _score(self, workload: str):
+        """Counterfactual goodput of a workload's drafts along their paths under given curves (the
+        fast calibration's shift is chosen by it)."""
+        model = self.tuner.model.curves(np.array([WORKLOADS.index(workload)]))[0]
+        cost = self.decision.cost
+
+        def score(recent: Recent) -> Callable[[np.ndarray], float]:
+            paths = Paths.of(recent.request, recent.position, recent.draft_len, recent.label, recent.decided)
+            return lambda curves: replay_paths(curves, paths, model, cost).per_ms
+
+        return score
 
     def _take_over(self) -> None:
         """Just became leader: what earlier leaders learned is in the champion; start at the end."""

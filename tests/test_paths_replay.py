@@ -1,0 +1,106 @@
+"""Counterfactual replay along request paths (predictor.counterfactual.Paths, replay_paths): each
+policy walks its own path through hindsight-labelled drafts, and it judges what per-draft replay
+gets wrong."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from predictor.counterfactual import SEGMENT, Paths, gain, replay_goodput, replay_paths
+from predictor.mlp import SURVIVAL_K
+from predictor.profiles import cost_profiles
+
+K = SURVIVAL_K
+COST = cost_profiles()["cpu-smollm2"]
+NO_MODEL = np.zeros(3)
+
+
+def sure(n: int, draft_len: np.ndarray) -> np.ndarray:
+    """Curves certain of every drafted token: the allocator verifies whole drafts."""
+    return (np.arange(K)[None, :] < np.asarray(draft_len)[:, None]).astype(np.float32) * np.ones((n, 1), np.float32)
+
+
+def hopeless(n: int) -> np.ndarray:
+    return np.zeros((n, K), np.float32)
+
+
+def copy_run(request: str = "r", length: int = 8) -> tuple:
+    """One request copying a stretch it has seen: at position p the cache drafts what is left of the
+    stretch and all of it is accepted (labels length, length - 1, ..., 1)."""
+    draft_len = np.arange(length, 0, -1)
+    return (np.full(length, request, dtype=object), np.arange(length), draft_len, draft_len.copy(),
+            np.zeros(length, dtype=bool))
+
+
+def test_a_policy_that_verifies_jumps_past_the_drafts_it_made_redundant():
+    """Per-draft replay credits a sure policy at every decision point of a run of good drafts; along
+    the path it takes the run in one step, as serving would."""
+    request, position, draft_len, label, decided = copy_run(length=8)
+    decided[[0, 3, 6]] = True  # where a cautious champion happened to decide
+    paths = Paths.of(request, position, draft_len, label, decided)
+    walked = replay_paths(sure(8, draft_len), paths, NO_MODEL, COST)
+    assert walked.tokens == 9 and walked.ms == pytest.approx(COST.step_ms(1, 9))  # one step: 8 accepted + 1
+    points = np.flatnonzero(decided)
+    per_draft = replay_goodput(sure(3, draft_len[points]), draft_len[points], label[points].astype(float),
+                               np.zeros((3, 3)), COST)
+    assert per_draft.tokens == 9 + 6 + 3  # the same tokens counted again at each later point
+    # Verifying nothing walks the run one token a step.
+    idle = replay_paths(hopeless(8), paths, NO_MODEL, COST)
+    assert idle.tokens == 8 and idle.ms == pytest.approx(8 * COST.step_ms(1, 1))
+
+
+def test_drafts_of_unknown_position_stand_alone_and_match_per_draft_replay():
+    n = 5
+    draft_len = np.array([4, 7, 1, 12, 3])
+    label = np.array([4, 2, 0, 12, 1])
+    decided = np.array([True, True, False, True, True])  # an unknown shadow draft is never a choice
+    paths = Paths.of(np.full(n, "", dtype=object), np.full(n, -1), draft_len, label, decided)
+    walked = replay_paths(sure(n, draft_len), paths, NO_MODEL, COST)
+    keep = decided
+    alone = replay_goodput(sure(4, draft_len[keep]), draft_len[keep], label[keep].astype(float), np.zeros((4, 3)), COST)
+    assert (walked.tokens, walked.ms, walked.drafts) == pytest.approx((alone.tokens, alone.ms, alone.drafts))
+
+
+def test_positions_without_a_draft_are_walked_and_a_position_drafted_twice_keeps_the_later_draft():
+    request = np.array(["a", "a", "a", "b"], dtype=object)
+    position = np.array([10, 14, 14, 3])  # a's positions 11-13 had no cache draft
+    draft_len = np.array([1, 9, 2, 1])
+    label = np.array([1, 9, 2, 0])
+    paths = Paths.of(request, position, draft_len, label, np.zeros(4, dtype=bool))
+    assert paths.sim.draft_len.tolist() == [1, 0, 0, 0, 2, 1]  # a: 10..14, then b: 3
+    out = replay_paths(sure(4, draft_len), paths, NO_MODEL, COST)
+    # a: 10 (+2), 12 (+1, nothing drafted), 13 (+1), 14 (+3) ends past 14; b: 3 (+1).
+    assert out.tokens == 2 + 1 + 1 + 3 + 1
+    assert out.ms == pytest.approx(COST.step_ms(1, 2) + 2 * COST.step_ms(1, 1) + COST.step_ms(1, 3) + COST.step_ms(1, 2))
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 80), requests=st.integers(1, 5))
+def test_every_path_covers_its_span_and_policies_are_sliced_alike(seed, n, requests):
+    rng = np.random.default_rng(seed)
+    request = rng.integers(0, requests, n).astype(str).astype(object)
+    position = rng.integers(0, 3 * SEGMENT, n)
+    draft_len = rng.integers(1, K + 1, n)
+    label = rng.integers(0, draft_len + 1)
+    paths = Paths.of(request, position, draft_len, label, rng.random(n) < 0.3)
+    span = int((paths.sim.output_len - 1).sum())
+    a = replay_paths(sure(n, draft_len), paths, NO_MODEL, COST)
+    b = replay_paths(hopeless(n), paths, NO_MODEL, COST)
+    assert b.tokens == span and b.ms == pytest.approx(span * COST.step_ms(1, 1))
+    assert a.tokens >= span
+    assert len(a.each[0]) == len(b.each[0]) == paths.segments
+    assert a.each[0].sum() == pytest.approx(a.tokens) and b.each[1].sum() == pytest.approx(b.ms)
+    assert gain(b, b) == 0.0
+
+
+def test_the_model_drafter_meets_the_same_luck_under_every_policy():
+    request, position, draft_len, label, decided = copy_run(length=6)
+    label[:] = 0  # the cache is always wrong: the model draft is the only speculation that pays
+    paths = Paths.of(request, position, draft_len, label, decided, seed=3)
+    model = np.array([0.9, 0.8, 0.7])
+    first = replay_paths(hopeless(6), paths, model, COST)
+    again = replay_paths(hopeless(6), Paths.of(request, position, draft_len, label, decided, seed=3), model, COST)
+    assert (first.tokens, first.ms) == (again.tokens, again.ms)
+    assert first.tokens >= 6 and first.ms > 0
