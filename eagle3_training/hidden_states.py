@@ -106,25 +106,33 @@ def extract(samples: Sequence[Sample], target: Path, folder: Path, layers: Seque
     return rows
 
 
-def assemble(data: Path, train: tuple[Path, Sequence[Row]], held_out: tuple[Path, Sequence[Row]]) -> float:
-    """The folder `speculators train --data-path` reads: training rows first, held-out rows last,
-    hidden states linked from where they were extracted, token counts from training rows only.
-    Returns the --train-data-ratio that makes exactly the held-out rows its validation split."""
+def assemble(data: Path, train: tuple[Path, Sequence[Row]], held_out: tuple[Path, Sequence[Row]],
+             repeats: Sequence[int] | None = None) -> float:
+    """The folder `speculators train --data-path` reads: training rows first (row j `repeats[j]`
+    times, each copy linked to the same hidden states: eagle3_training.balance), held-out rows last
+    (once), hidden states linked from where they were extracted, token counts from training rows
+    only (with their repeats). Returns the --train-data-ratio that makes exactly the held-out rows
+    its validation split."""
     from datasets import Dataset
 
+    times = [1] * len(train[1]) if repeats is None else list(repeats)
+    if len(times) != len(train[1]) or min(times, default=1) < 1:
+        raise ValueError(f"repeats must give every one of the {len(train[1])} training rows a count >= 1")
     hs_dir = data / "hidden_states"
     hs_dir.mkdir(parents=True, exist_ok=True)
+    for stale in hs_dir.glob("hs_*.safetensors"):  # an earlier assembly may have had more rows
+        stale.unlink()
     rows: list[Row] = []
-    for folder, part in (train, held_out):
-        for j, row in enumerate(part):
-            link = hs_dir / f"hs_{len(rows)}.safetensors"
-            if link.is_symlink() or link.exists():
-                link.unlink()
-            link.symlink_to((folder / f"hs_{j}.safetensors").resolve())
-            rows.append(row)
+    for (folder, part), counts in ((train, times), (held_out, [1] * len(held_out[1]))):
+        for j, (row, count) in enumerate(zip(part, counts)):
+            for _ in range(count):
+                (hs_dir / f"hs_{len(rows)}.safetensors").symlink_to((folder / f"hs_{j}.safetensors").resolve())
+                rows.append(row)
     freq: Counter = Counter()
-    for ids, mask in train[1]:
-        freq.update(t for t, m in zip(ids, mask) if m)
+    for (ids, mask), count in zip(train[1], times):
+        for t, m in zip(ids, mask):
+            if m:
+                freq[t] += count
     torch.save(dict(freq), data / "token_freq.pt")
     for stale in data.glob("[dt]2[td]-*.npy"):  # vocab maps cached by the trainer for older counts
         stale.unlink()
@@ -132,7 +140,7 @@ def assemble(data: Path, train: tuple[Path, Sequence[Row]], held_out: tuple[Path
                             "seq_len": [len(r[0]) for r in rows]})
     ds.set_format(type="torch")
     ds.save_to_disk(str(data))
-    n_train, n = len(train[1]), len(rows)
+    n_train, n = sum(times), len(rows)
     ratio = (n_train + 0.5) / n
     assert int(n * ratio) == n_train
     return ratio

@@ -26,9 +26,11 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from eagle3_training.balance import repeats, row_repeats
 from eagle3_training.hidden_states import DEFAULT_LAYERS
 from eagle3_training.selection import best, read_epochs
 
@@ -54,6 +56,9 @@ class PipelineConfig:
     layers: tuple[int, ...] = DEFAULT_LAYERS
     draft_vocab: int = 8192
     epochs: int = 3  # trained; the exported one is the epoch best on the held-out split (selection.best)
+    # Each smaller workload's rows repeated up to this many times so that workloads weigh about alike
+    # (eagle3_training.balance); 1: every row once.
+    balance_cap: int = 3
     lr: float = 3e-4  # used as is when lr_candidates is empty
     # The learning rate: each candidate trains sweep_steps steps (its schedule decaying over them), and
     # the one with the highest held-out expected accepted length trains the full run.
@@ -239,6 +244,13 @@ def check_in_vllm(cfg: PipelineConfig, held, provenance: dict) -> dict:
     return provenance
 
 
+def _tokens_by_workload(samples: Sequence, times: Sequence[int] | None = None) -> dict[str, int]:
+    out: Counter = Counter()
+    for s, n in zip(samples, times or [1] * len(samples)):
+        out[s.workload] += n * len(s.output_ids)
+    return dict(sorted(out.items()))
+
+
 def run(cfg: PipelineConfig, answers_only: bool = False) -> dict:
     from eagle3_training.hidden_states import assemble, extract
 
@@ -255,7 +267,8 @@ def run(cfg: PipelineConfig, answers_only: bool = False) -> dict:
     train_rows = extract(train, cfg.target, cfg.work / "hs_train", cfg.layers, cfg.context_tokens, log=_log)
     held_rows = extract(held, cfg.target, cfg.work / "hs_held_out", cfg.layers, cfg.context_tokens, log=_log)
     data = cfg.work / "data"
-    ratio = assemble(data, (cfg.work / "hs_train", train_rows), (cfg.work / "hs_held_out", held_rows))
+    times = row_repeats([s.workload for s in train], [len(s.output_ids) for s in train], cfg.balance_cap)
+    ratio = assemble(data, (cfg.work / "hs_train", train_rows), (cfg.work / "hs_held_out", held_rows), times)
     lr, sweep = choose_lr(cfg, data, ratio)
     save = cfg.work / "checkpoints" / f"lr-{lr:g}"
     cmd = train_command(cfg, data, ratio, lr, save, cfg.epochs, cfg.max_steps)
@@ -281,6 +294,10 @@ def run(cfg: PipelineConfig, answers_only: bool = False) -> dict:
             "train_answer_tokens_by_stage": answer_tokens_by_stage,
             "train_samples": len(train), "train_answer_tokens": sum(len(s.output_ids) for s in train),
             "train_by_workload": dict(Counter(s.workload for s in train)),
+            "train_answer_tokens_by_workload": _tokens_by_workload(train),
+            "repeats_by_workload": repeats([s.workload for s in train], [len(s.output_ids) for s in train],
+                                           cfg.balance_cap),
+            "answer_tokens_per_epoch_by_workload": _tokens_by_workload(train, times),
             "held_out_samples": len(held), "held_out_answer_tokens": sum(len(s.output_ids) for s in held),
         },
         "lr": lr, "lr_sweep": sweep, "lr_sweep_steps": _sweep_steps(cfg) if sweep else None,
@@ -316,6 +333,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sweep-steps", type=int, default=d.sweep_steps)
     p.add_argument("--train-dtype", choices=("bfloat16", "float32"), default=d.train_dtype,
                    help="the trainer's autocast dtype (default %(default)s)")
+    p.add_argument("--balance-cap", type=int, default=d.balance_cap,
+                   help="repeat each smaller workload's rows up to this many times per epoch so that workloads "
+                        "weigh about alike (default %(default)s; 1: every row once)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--max-steps", type=int, default=None, help="stop training after this many steps")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
@@ -327,7 +347,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--answers-only", action="store_true",
                    help="stop once the answers are generated (pack them with eagle3_training.answers_archive)")
     a = p.parse_args(argv)
-    for name in ("tokens", "held_out_tokens", "epochs", "max_new_tokens", "batch", "shard_prompts", "sweep_steps"):
+    for name in ("tokens", "held_out_tokens", "epochs", "max_new_tokens", "batch", "shard_prompts", "sweep_steps",
+                 "balance_cap"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     for lr in (a.lr, *a.lr_candidates):
@@ -336,7 +357,8 @@ def main(argv: list[str] | None = None) -> None:
     run(PipelineConfig(work=a.work, out=a.out, tokens=a.tokens, held_out_tokens=a.held_out_tokens, epochs=a.epochs,
                        lr=a.lr, lr_candidates=tuple(a.lr_candidates), sweep_steps=a.sweep_steps,
                        train_dtype=a.train_dtype, seed=a.seed, max_steps=a.max_steps, max_new_tokens=a.max_new_tokens,
-                       batch=a.batch, shard_prompts=a.shard_prompts, answers=a.answers), answers_only=a.answers_only)
+                       batch=a.batch, shard_prompts=a.shard_prompts, answers=a.answers, balance_cap=a.balance_cap),
+        answers_only=a.answers_only)
 
 
 if __name__ == "__main__":

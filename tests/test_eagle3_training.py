@@ -84,6 +84,13 @@ def test_tiny_pipeline_end_to_end_and_resumes(tmp_path):
     samples = read_samples(cfg.work / "samples")
     assert sum(len(s.output_ids) for s in samples) >= 96 and len(samples) % 4 == 0
     assert prov["data"]["train_answer_tokens"] >= 96 and 1 <= prov["steps"] <= 2
+    data = prov["data"]  # workloads balanced by repeating rows: each row's copies link one hidden-state file
+    assert set(data["repeats_by_workload"]) == set(data["train_by_workload"])
+    assert all(1 <= r <= cfg.balance_cap for r in data["repeats_by_workload"].values())
+    assert len(list((cfg.work / "data" / "hidden_states").iterdir())) == data["held_out_samples"] + sum(
+        n * data["repeats_by_workload"][w] for w, n in data["train_by_workload"].items())
+    assert data["answer_tokens_per_epoch_by_workload"] == {
+        w: n * data["repeats_by_workload"][w] for w, n in data["train_answer_tokens_by_workload"].items()}
     tensors = load_file(str(cfg.out / "model.safetensors"))
     assert "embed_tokens.weight" not in tensors  # vLLM shares the target's
     assert tensors["lm_head.weight"].shape == (512, 576) and tensors["lm_head.weight"].dtype == torch.bfloat16
