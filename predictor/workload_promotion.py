@@ -96,6 +96,14 @@ class WorkloadPromoter:
                 win.drafts = win.drafts.take(slice(spill, None))
         return Batch.join(out)
 
+    def watch(self, w: int, promoted: GatePredictor, previous: GatePredictor, fresh: int = 0) -> None:
+        """Watch a promotion made elsewhere (a previous leader's): judged like this one's own once the
+        window holds `holdout` drafts served after it (`fresh` of them already were)."""
+        self._windows[w].watch = _Watch(promoted, previous, fresh)
+
+    def watching(self, w: int) -> bool:
+        return self._windows[w].watch is not None
+
     def due(self) -> list[int]:
         """Workloads whose window is full and has seen `check_every` new drafts since its last check."""
         p = self.policy

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import func, insert, select
@@ -115,6 +116,13 @@ def count_events(session: Session, **filters: Any) -> int:
     stmt = select(func.count()).select_from(DecisionEvent)
     for name, value in filters.items():
         stmt = stmt.where(getattr(DecisionEvent, name) == value)
+    return int(session.scalar(stmt) or 0)
+
+
+def count_cache_drafts_since(session: Session, workload: str, since: datetime) -> int:
+    """Labelled cache drafts of `workload` stored after `since` (what a rollback watch counts)."""
+    stmt = select(func.count()).select_from(DecisionEvent).where(
+        DecisionEvent.workload == workload, DecisionEvent.drafter == "cache", DecisionEvent.at > since)
     return int(session.scalar(stmt) or 0)
 
 

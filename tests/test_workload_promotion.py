@@ -256,3 +256,35 @@ def test_a_win_must_be_clear_not_only_past_the_margin():
     low, high = gain_interval(Goodput(lucky.sum(), ms.sum(), 1000, (lucky, ms)), champion)
     assert low < 0.0 < high
     assert gain_interval(Goodput(1, 1, 5), Goodput(1, 1, 5)) == (0.0, 0.0)  # too few to split: no evidence
+
+
+def test_a_new_leader_watches_the_promotions_its_predecessor_had_not_seen_through(pessimist_db):
+    """The rollback watch lives in SQL's audit trail, not in one leader's memory: a learner that starts
+    (or takes over) watches every workload whose alias a learner's promotion moved last, until that
+    workload has had `holdout` drafts since; an operator's move ends it."""
+    from controller.core.decision import DecisionConfig
+    from controller.services.learner_service import LearnerService
+    from predictor.calibration import CalibrationConfig
+    from predictor.champion import promote_for_workload
+    from predictor.online import LearnerConfig
+    from storage.engine import session_scope
+
+    engine, _ = pessimist_db
+    config = LearnerConfig(seed=2, batch_size=128, learning_rate=1e-3,
+                           counterfactual=CounterfactualPolicy(holdout=400, check_every=400),
+                           calibration=CalibrationConfig(enabled=False))
+    first = LearnerService(engine, DecisionConfig(), config, replica="a", start_at_end=False, batch_events=500)
+    while first.run_once() and not first.stats.promotions:
+        pass
+    assert first.stats.promotions, "no promotion to watch"
+    watched = {w for i, w in enumerate(WORKLOADS) if first.promoter.watching(i)}
+    assert watched
+    successor = LearnerService(engine, DecisionConfig(), config, replica="b")  # starts at the end of the events
+    assert {w for i, w in enumerate(WORKLOADS) if successor.promoter.watching(i)} == watched
+    for w in watched:  # the predecessor it would roll back to, and the promoted version serving meanwhile
+        assert successor._before[w] == 1 and successor.workload_gates[w][0] == first.workload_gates[w][0]
+    moved = sorted(watched)[0]
+    with session_scope(engine) as s:
+        promote_for_workload(s, moved, 1, actor="ana", reason="back to the warm start by hand")
+    after_operator = LearnerService(engine, DecisionConfig(), config, replica="c")
+    assert not after_operator.promoter.watching(WORKLOADS.index(moved)) and moved not in after_operator._before

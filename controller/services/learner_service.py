@@ -21,7 +21,8 @@ from controller.core.decision import DecisionConfig, effective_rule
 from controller.core.tau_tuner import TauTuner
 from controller.services.lifecycle import BackgroundService
 from predictor.calibration import Calibrator, Recent
-from predictor.champion import CHAMPION, load_gate, promote, promote_for_workload, version_kind, workload_champions
+from predictor.champion import (CHAMPION, load_gate, promote, promote_for_workload, version_kind, workload_alias,
+                               workload_champions)
 from predictor.counterfactual import Paths, replay_paths, served_curves_from, wins
 from predictor.features import NUM_FEATURES
 from predictor.goodput import model_step_ms
@@ -32,8 +33,9 @@ from predictor.traces import WORKLOADS
 from predictor.workload_promotion import WorkloadPromoter, replay_drafts
 from storage.calibrations import ALL_TENANTS, clear_calibrations, save_calibration
 from storage.engine import session_scope
-from storage.events import events_after, last_event_id
-from storage.versions import add_drift_event, add_tau_history, create_version, get_alias_version
+from storage.events import count_cache_drafts_since, events_after, last_event_id
+from storage.versions import (add_drift_event, add_tau_history, create_version, get_alias_version,
+                              list_alias_events)
 
 MIN_JUDGED = 200  # held-back drafts a scope needs before its calibration is judged (and served)
 
@@ -77,8 +79,7 @@ class LearnerService(BackgroundService):
         self.workload_gates: dict[str, tuple[int, GatePredictor]] = {}  # workloads with their own champion
         self._before: dict[str, int] = {}  # a watched promotion's predecessor, per workload
         if start_at_end:
-            with session_scope(engine) as s:
-                self.stats.cursor = last_event_id(s)
+            self._take_over()
 
     def progress(self) -> dict | None:
         """The learner's cursor, so the Health page can show how far it lags the event log."""
@@ -243,9 +244,36 @@ class LearnerService(BackgroundService):
         return score
 
     def _take_over(self) -> None:
-        """Just became leader: what earlier leaders learned is in the champion; start at the end."""
+        """Just became leader (or started at the end of the events): what earlier leaders learned is
+        in the champions; start at the end, and watch the promotions they had not seen through."""
         with session_scope(self.engine) as s:
             self.stats.cursor = last_event_id(s)
+        self._resume_watches()
+
+    def _resume_watches(self) -> None:
+        """A workload whose alias was last moved by a learner's promotion, still in place, with fewer
+        than `holdout` of its drafts stored since, is watched as if this leader had promoted it
+        (predictor.workload_promotion): the watch outlives the leader that started it."""
+        holdout = self.config.counterfactual.holdout
+        with session_scope(self.engine) as s:
+            pending = []
+            for w in WORKLOADS:
+                moves = list_alias_events(s, workload_alias(w))
+                current = get_alias_version(s, workload_alias(w))
+                if not moves or current is None:
+                    continue
+                last = moves[-1]
+                if (last.to_version_id != current.id or not last.actor.startswith("learner@")
+                        or not last.reason.startswith("promotion for")):
+                    continue
+                fresh = count_cache_drafts_since(s, w, last.at)
+                if fresh < holdout:
+                    pending.append((w, last.to_version_id, last.from_version_id or self.champion_id, fresh))
+        for w, promoted_id, previous_id, fresh in pending:
+            promoted, previous = load_gate(self.engine, promoted_id)[1], load_gate(self.engine, previous_id)[1]
+            self.workload_gates[w] = (promoted_id, promoted)
+            self.promoter.watch(WORKLOADS.index(w), promoted, previous, fresh)
+            self._before[w] = previous_id
 
     def _promote(self, score: ShadowScore) -> None:
         challenger = self.learner.challenger()
