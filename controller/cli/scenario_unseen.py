@@ -119,6 +119,24 @@ def calibration_gap(predicted: np.ndarray, label: np.ndarray) -> float:
     return gap / len(predicted)
 
 
+def training_rows(data: Dataset, source: str, seed: int, max_drafts: int = TRAIN_DRAFTS,
+                  informed: bool = False) -> np.ndarray:
+    """The replay rows a warm start without `source` learns from: a seeded uniform sample of at most
+    `max_drafts` of the other sources' drafts; `informed` adds `source`'s drafts, repeated to as
+    many as that sample (all of them once if they are more), so that S is half of what it learns."""
+    rp = data.replay
+    row_source = np.array([r.source for r in data.records])[rp.trace]
+    rows = np.flatnonzero((rp.draft_len > 0) & (row_source != source))
+    if len(rows) > max_drafts:
+        rows = np.sort(np.random.default_rng(seed).choice(rows, max_drafts, replace=False))
+    if not informed:
+        return rows
+    own = np.flatnonzero((rp.draft_len > 0) & (row_source == source))
+    if not len(own):
+        return rows
+    return np.concatenate([rows, np.tile(own, -(-len(rows) // len(own)))[: max(len(rows), len(own))]])
+
+
 def train_without(data: Dataset, source: str, config: TrainConfig, cache_dir: Path | None,
                   log: Callable[[str], None], max_drafts: int = TRAIN_DRAFTS, informed: bool = False) -> GatePredictor:
     """The warm-start predictor on every source but `source` (both split sides; at most
@@ -131,13 +149,7 @@ def train_without(data: Dataset, source: str, config: TrainConfig, cache_dir: Pa
     if path is not None and path.exists():
         return GatePredictor.from_bytes(path.read_bytes(), expected_schema_hash=schema_hash())
     rp = data.replay
-    row_source = np.array([r.source for r in data.records])[rp.trace]
-    rows = np.flatnonzero((rp.draft_len > 0) & (row_source != source))
-    if len(rows) > max_drafts:
-        rows = np.sort(np.random.default_rng(config.seed).choice(rows, max_drafts, replace=False))
-    if informed:  # S's drafts repeated to as many as the others' sample: half of what the gate learns from
-        own = np.flatnonzero((rp.draft_len > 0) & (row_source == source))
-        rows = np.concatenate([rows, np.tile(own, max(1, -(-len(rows) // max(len(own), 1))))[: max(len(rows), len(own))]])
+    rows = training_rows(data, source, config.seed, max_drafts, informed)
     log(f"  training the {'informed gate with' if informed else 'warm start without'} {source} on {len(rows)} drafts")
     gate = GatePredictor.from_torch(train_gate(rp.features[rows], rp.label[rows], rp.row_workload()[rows], config),
                                     schema_hash())
