@@ -17,8 +17,9 @@ it verifies the drafts whose curves are highest, and a curve that is right on av
 rank and price drafts worse than the uncorrected one (measured: halving the calibration gap made
 decisions slightly worse). So each refit then moves every position's logit by one shift, chosen
 from a small grid by what it buys: the counterfactual goodput of the allocator's choices along the
-scope's recent request paths (the caller's `score`, predictor.counterfactual.replay_paths). One number per scope learned from the
-objective itself; the learner serves it only if it also wins on the drafts held back from it.
+scope's recent request paths (the caller's `score`, predictor.counterfactual.replay_paths). One
+number per scope learned from the objective itself; the learner serves it only if it also wins on
+the drafts held back from it.
 """
 from __future__ import annotations
 

@@ -26,11 +26,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from predictor.allocator import CACHE, MODEL, allocate_each
-from predictor.profiles import accepted_from_survival
-from predictor.simulator import SimInput
 from predictor.calibration import Calibration
 from predictor.calibration import apply as apply_calibration
-from predictor.profiles import CostProfile
+from predictor.profiles import CostProfile, accepted_from_survival
 
 
 @dataclass(frozen=True)
@@ -84,7 +82,9 @@ class Paths:
     cache draft). Drafts of unknown position (< 0) stand alone, a path of one step, and only at
     decision points."""
 
-    sim: SimInput
+    draft_len: np.ndarray  # per row (0: no cache draft at that position)
+    label: np.ndarray  # per row
+    span: np.ndarray  # per path, its rows (positions), paths one after the other
     kept: np.ndarray  # the input drafts laid out (indices)
     slot: np.ndarray  # each kept draft's row
     luck: np.ndarray  # per row, the model drafter's uniform draw: every policy replayed meets the same
@@ -116,15 +116,12 @@ class Paths:
         dense_label = np.zeros(rows, dtype=np.int64)
         dense_len[slot] = np.asarray(draft_len)[kept]  # a position drafted twice keeps its later draft
         dense_label[slot] = np.asarray(label)[kept]
-        trace = np.repeat(np.arange(len(spans)), spans)
-        zeros = np.zeros(rows)
-        sim = SimInput(trace=trace, position=np.arange(rows) - offset[trace] + 1, draft_len=dense_len,
-                       label=dense_label, score=zeros, predicted=zeros, traces=np.arange(len(spans)),
-                       output_len=spans + 1, trace_workload=np.zeros(len(spans), dtype=np.int64))
-        local = np.arange(rows) - offset[trace]
+        path_of_row = np.repeat(np.arange(len(spans)), spans)
         per_path = -(-spans // SEGMENT)
-        segment = np.concatenate(([0], np.cumsum(per_path)[:-1]))[trace] + local // SEGMENT
-        return Paths(sim, kept, slot, np.random.default_rng(seed).random(rows), segment, int(per_path.sum()))
+        segment = (np.concatenate(([0], np.cumsum(per_path)[:-1]))[path_of_row]
+                   + (np.arange(rows) - offset[path_of_row]) // SEGMENT)
+        return Paths(dense_len, dense_label, spans, kept, slot, np.random.default_rng(seed).random(rows), segment,
+                     int(per_path.sum()))
 
 
 def replay_paths(curves: np.ndarray, paths: Paths, model_survival: np.ndarray, cost: CostProfile) -> Goodput:
@@ -135,20 +132,18 @@ def replay_paths(curves: np.ndarray, paths: Paths, model_survival: np.ndarray, c
     `replay_goodput`'s draft). The outcomes (`each`) are per stretch of SEGMENT positions of a path,
     in order, by where each step starts: the same stretches for every policy replayed, so that
     `gain_interval` can compare them slice by slice."""
-    sim = paths.sim
-    rows = len(sim.trace)
+    rows = len(paths.draft_len)
     if not rows:
         return Goodput(0.0, 0.0, 0)
     se = np.asarray(model_survival, dtype=np.float64).reshape(-1)
     s = np.zeros((rows, np.asarray(curves).shape[1]))
     s[paths.slot] = np.asarray(curves)[paths.kept]
-    plan = allocate_each(s, sim.draft_len, np.broadcast_to(se, (rows, len(se))), cost)
+    plan = allocate_each(s, paths.draft_len, np.broadcast_to(se, (rows, len(se))), cost)
     draws = accepted_from_survival(se, paths.luck)
-    accepted = np.where(plan.source == CACHE, np.minimum(sim.label, plan.length),
+    accepted = np.where(plan.source == CACHE, np.minimum(paths.label, plan.length),
                         np.where(plan.source == MODEL, np.minimum(draws, plan.length), 0))
     step_ms = np.asarray(plan.step_ms, dtype=np.float64)
-    span = sim.output_len - 1
-    ends = np.cumsum(span).tolist()
+    ends = np.cumsum(paths.span).tolist()
     advance, price, segment = (accepted + 1).tolist(), step_ms.tolist(), paths.segment.tolist()
     tokens, time = [0.0] * paths.segments, [0.0] * paths.segments
     begin = 0
@@ -171,16 +166,16 @@ def gain(challenger: Goodput, champion: Goodput) -> float:
 
 
 def gain_interval(challenger: Goodput, champion: Goodput, blocks: int = 10, z: float = 2.0) -> tuple[float, float]:
-    """A rough interval for `gain` from `blocks` contiguous slices of the same drafts (contiguous,
-    since neighbouring drafts of one request are alike): mean block gain -+ z standard errors.
-    (0, 0) without per-draft outcomes or with too few drafts to split."""
+    """A rough interval for `gain` from `blocks` contiguous slices of the same outcomes (drafts, or
+    stretches of paths; contiguous, since neighbouring drafts of one request are alike): mean block
+    gain -+ z standard errors. (0, 0) without outcomes or with too few to make three slices."""
     blocks = min(blocks, len(champion.each[0]) // 2) if champion.each is not None else 0
     if challenger.each is None or blocks < 3:
         return 0.0, 0.0
     gains = []
     for part in np.array_split(np.arange(len(champion.each[0])), blocks):
         (tb, mb), (ta, ma) = ((e[0][part], e[1][part]) for e in (challenger.each, champion.each))
-        gains.append((tb.sum() / mb.sum()) / (ta.sum() / ma.sum()) - 1.0 if ta.sum() > 0 else 0.0)
+        gains.append((tb.sum() / mb.sum()) / (ta.sum() / ma.sum()) - 1.0 if ta.sum() > 0 and mb.sum() > 0 else 0.0)
     mean, se = float(np.mean(gains)), float(np.std(gains, ddof=1) / np.sqrt(blocks))
     return mean - z * se, mean + z * se
 

@@ -61,7 +61,6 @@ class _Window:
 class WorkloadPromoter:
     def __init__(self, policy: CounterfactualPolicy, num_features: int, workloads: int) -> None:
         self.policy = policy
-        self._unnamed = 0  # drafts given a request of their own so far
         empty = np.zeros(0)
         self._windows = [_Window(Batch(np.zeros((0, num_features), np.float32), empty.astype(np.float32),
                                        empty.astype(np.int64), empty.astype(np.int64), empty, empty.astype(object),
@@ -72,15 +71,13 @@ class WorkloadPromoter:
         """Put the new drafts in their workloads' windows; returns the drafts that left them (the
         oldest), which the challenger (and the fast calibration) may now learn from."""
         n = len(batch.label)
-        # Drafts of unknown request and position (-1) each stand alone: a path of one step (predictor.counterfactual.Paths).
+        # Drafts of unknown position (-1) each stand alone: a path of one step (predictor.counterfactual.Paths).
         alone = batch.request is None or batch.position is None
         batch = Batch(batch.features, batch.label, batch.draft_len, batch.workload, batch.tau,
                       np.full(n, "", dtype=object) if batch.tenant is None else batch.tenant,
                       np.ones(n, dtype=bool) if batch.decided is None else batch.decided,
-                      np.array([f"#{self._unnamed + i}" for i in range(n)], dtype=object) if alone else batch.request,
+                      np.full(n, "", dtype=object) if alone else batch.request,
                       np.full(n, -1, dtype=np.int64) if alone else batch.position)
-        if alone:
-            self._unnamed += n
         out: list[Batch] = [batch.take(slice(0, 0))]
         for w in np.unique(batch.workload).tolist():
             sel = batch.workload == w
@@ -145,7 +142,6 @@ class WorkloadPromoter:
 
     def window_size(self, w: int) -> int:
         return len(self._windows[w].drafts.label)
-
 
 
 def paths_of(drafts: Batch) -> Paths:

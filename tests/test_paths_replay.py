@@ -69,7 +69,7 @@ def test_positions_without_a_draft_are_walked_and_a_position_drafted_twice_keeps
     draft_len = np.array([1, 9, 2, 1])
     label = np.array([1, 9, 2, 0])
     paths = Paths.of(request, position, draft_len, label, np.zeros(4, dtype=bool))
-    assert paths.sim.draft_len.tolist() == [1, 0, 0, 0, 2, 1]  # a: 10..14, then b: 3
+    assert paths.draft_len.tolist() == [1, 0, 0, 0, 2, 1] and paths.span.tolist() == [5, 1]  # a: 10..14, then b: 3
     out = replay_paths(sure(4, draft_len), paths, NO_MODEL, COST)
     # a: 10 (+2), 12 (+1, nothing drafted), 13 (+1), 14 (+3) ends past 14; b: 3 (+1).
     assert out.tokens == 2 + 1 + 1 + 3 + 1
@@ -85,7 +85,7 @@ def test_every_path_covers_its_span_and_policies_are_sliced_alike(seed, n, reque
     draft_len = rng.integers(1, K + 1, n)
     label = rng.integers(0, draft_len + 1)
     paths = Paths.of(request, position, draft_len, label, rng.random(n) < 0.3)
-    span = int((paths.sim.output_len - 1).sum())
+    span = int(paths.span.sum())
     a = replay_paths(sure(n, draft_len), paths, NO_MODEL, COST)
     b = replay_paths(hopeless(n), paths, NO_MODEL, COST)
     assert b.tokens == span and b.ms == pytest.approx(span * COST.step_ms(1, 1))

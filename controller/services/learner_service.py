@@ -20,7 +20,7 @@ from sqlalchemy import Engine
 from controller.core.decision import DecisionConfig, effective_rule
 from controller.core.tau_tuner import TauTuner
 from controller.services.lifecycle import BackgroundService
-from predictor.calibration import Calibrator, Recent
+from predictor.calibration import Calibrator, Recent, Score
 from predictor.champion import (CHAMPION, load_gate, promote, promote_for_workload, version_kind, workload_alias,
                                workload_champions)
 from predictor.counterfactual import Paths, replay_paths, served_curves_from, wins
@@ -231,7 +231,7 @@ class LearnerService(BackgroundService):
         self.stats.calibrations += len(judged)
         return judged
 
-    def _score(self, workload: str):
+    def _score(self, workload: str) -> Score:
         """Counterfactual goodput of a workload's drafts along their paths under given curves (the
         fast calibration's shift is chosen by it)."""
         model = self.tuner.model.curves(np.array([WORKLOADS.index(workload)]))[0]
