@@ -38,7 +38,10 @@ class CounterfactualPolicy:
     holdout: int = 3000  # newest labelled drafts per workload held back from the challenger
     check_every: int = 1000  # new drafts of a workload between comparisons
     margin: float = 0.01  # the challenger's goodput must beat the champion's by this fraction
-    rollback_margin: float = 0.01  # a promoted champion losing by more than this to its predecessor goes
+    # After its watch a promotion must still beat its predecessor on drafts it was not chosen on: a
+    # gain below this (0: any loss) rolls it back. Chosen as the best of many checks, a challenger's
+    # winning edge is partly luck; the fresh window is the first unbiased look.
+    rollback_margin: float = 0.0
 
 
 @dataclass(frozen=True)

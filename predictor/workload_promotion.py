@@ -9,8 +9,10 @@ prices) and the challenger becomes that workload's champion only where its goodp
 champion's by `margin`, and clearly (predictor.counterfactual.wins: the gain over contiguous groups
 of the window's paths, less two standard errors, is above zero; a 1% edge on a thousand correlated
 drafts is noise). After a promotion the workload is watched: once its window holds only
-drafts served after the promotion, the new champion is replayed against the one it replaced, and a
-clear loss beyond `rollback_margin` moves the workload back. Both models are compared raw
+drafts served after the promotion, the new champion is replayed against the one it replaced, and
+unless it still gains at least `rollback_margin` (0: it must not lose) the workload moves back: the
+promotion won the best of many checks, so part of its edge was luck, and the drafts served since
+are the first look at it that was not chosen. Both models are compared raw
 (without the fast calibration, which is fitted afresh to whichever champion serves).
 
 The caller (the learner service) owns the versions and aliases: this module decides.
@@ -121,8 +123,8 @@ class WorkloadPromoter:
             win.watch = None
             promoted, previous = self._replay(win, watch.promoted, model_survival, cost), \
                 self._replay(win, watch.previous, model_survival, cost)
-            lost, _ = wins(previous, promoted, self.policy.rollback_margin)
-            verdict = Verdict(w, "rollback" if lost else "keep", gain(promoted, previous), promoted, previous)
+            kept = gain(promoted, previous)
+            verdict = Verdict(w, "rollback" if kept < self.policy.rollback_margin else "keep", kept, promoted, previous)
         else:
             chal, champ = self._replay(win, challenger, model_survival, cost), self._replay(win, champion, model_survival, cost)
             won, g = wins(chal, champ, self.policy.margin)

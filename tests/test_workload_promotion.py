@@ -288,3 +288,16 @@ def test_a_new_leader_watches_the_promotions_its_predecessor_had_not_seen_throug
         promote_for_workload(s, moved, 1, actor="ana", reason="back to the warm start by hand")
     after_operator = LearnerService(engine, DecisionConfig(), config, replica="c")
     assert not after_operator.promoter.watching(WORKLOADS.index(moved)) and moved not in after_operator._before
+
+
+@pytest.mark.parametrize("label_after, kept", [(12, True), (0, False)])
+def test_a_promotion_stays_only_if_it_still_wins_on_the_drafts_served_after_it(label_after, kept):
+    """The default rollback margin is 0: any loss on the first drafts not chosen on sends it back."""
+    promoter = WorkloadPromoter(CounterfactualPolicy(holdout=200, check_every=100), NUM_FEATURES, len(WORKLOADS))
+    promoter.hold(drafts(200, 12))
+    assert promoter.judge(SQL, PESSIMIST, OPTIMIST, no_model(1), COST).action == "promote"
+    assert promoter.watching(SQL)
+    promoter.hold(drafts(200, label_after))
+    verdict = promoter.judge(SQL, OPTIMIST, OPTIMIST, no_model(1), COST)
+    assert verdict.action == ("keep" if kept else "rollback") and (verdict.gain > 0) == kept
+    assert not promoter.watching(SQL)
