@@ -66,7 +66,7 @@ def test_the_training_folder_repeats_rows_and_keeps_the_held_out_split_exact(tmp
     ds = load_from_disk(str(data))
     assert [list(map(int, r)) for r in ds["input_ids"]] == [[1, 2, 3], [4, 5], [4, 5], [4, 5], [6], [6], [7, 8], [9]]
     assert int(len(ds) * ratio) == 6  # the trainer's split: exactly the held-out rows validate
-    assert torch.load(data / "token_freq.pt") == {2: 1, 3: 1, 4: 3, 5: 3, 6: 2}
+    assert torch.load(data / "token_freq.pt", weights_only=True) == {2: 1, 3: 1, 4: 3, 5: 3, 6: 2}
     # a smaller assembly over the same folder leaves no stale links behind
     assemble(data, (train_dir, train), (held_dir, held))
     assert len(list((data / "hidden_states").iterdir())) == 5
