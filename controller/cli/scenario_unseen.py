@@ -44,8 +44,8 @@ MAX_TOKENS = 100_000
 WITHIN = 0.05  # the target: within 5% of the oracle after the first window
 MODES = ("learn", "static", "oracle")  # learning on, learning off, the binary oracle gate
 # Served like "static" but from a gate that was trained with S in (S's drafts, repeated to as many
-# as the others' sample, beside that sample): not deployable, it has seen the stream it serves. It bounds what learning S can
-# win: a learner that had fully learned S would serve about like this.
+# as the others' sample, beside that sample): not deployable, it has seen the stream it serves. It
+# bounds what learning S can win: a learner that had fully learned S would serve about like this.
 INFORMED = "informed"
 CALIBRATION_BINS = (0.0, 1.0, 2.0, 4.0, 8.0, np.inf)
 
@@ -141,8 +141,8 @@ def train_without(data: Dataset, source: str, config: TrainConfig, cache_dir: Pa
                   log: Callable[[str], None], max_drafts: int = TRAIN_DRAFTS, informed: bool = False) -> GatePredictor:
     """The warm-start predictor on every source but `source` (both split sides; at most
     `max_drafts` of their drafts, a seeded uniform sample); with `informed`, the same sample plus
-    as many of `source`'s drafts, repeated (the ceiling, see INFORMED). Cached by the replay key, the source, the
-    sample size and the training config, since training is the slow part."""
+    as many of `source`'s drafts, repeated (the ceiling, see INFORMED). Cached by the replay key,
+    the source, the sample size and the training config, since training is the slow part."""
     key = hashlib.sha256(json.dumps([data.key, source, config.to_json(), max_drafts, schema_hash()]).encode()
                          ).hexdigest()[:16]
     path = None if cache_dir is None else cache_dir / f"{'with' if informed else 'without'}-{source}-{key}.hvd"
