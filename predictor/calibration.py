@@ -15,8 +15,8 @@ is fixed within hundreds of drafts instead of a promotion cycle of 20k.
 A fit to the log loss makes the curves right on average, which is not what the allocator needs:
 it verifies the drafts whose curves are highest, and a curve that is right on average can still
 rank and price drafts worse than the uncorrected one (measured: halving the calibration gap made
-decisions slightly worse). So each refit then moves every position's logit by one shift, chosen
-from a small grid by what it buys: the counterfactual goodput of the allocator's choices along the
+decisions slightly worse). So each refit then chooses between the fit and the uncorrected curves
+with every position's logit moved by one shift from a small grid, by what each buys: the counterfactual goodput of the allocator's choices along the
 scope's recent request paths (the caller's `score`, predictor.counterfactual.replay_paths). One
 number per scope learned from the objective itself; the learner serves it only if it also wins on
 the drafts held back from it.
@@ -92,9 +92,16 @@ def apply(curves: np.ndarray, draft_len: np.ndarray, slope: np.ndarray, bias: np
     s = np.asarray(curves, dtype=np.float64)
     if not len(s):
         return np.asarray(curves, dtype=np.float32)
-    z = np.asarray(slope)[..., : s.shape[1]] * _logit(conditional(s)) + np.asarray(bias)[..., : s.shape[1]]
-    h = 1.0 / (1.0 + np.exp(-np.clip(z, -30.0, 30.0)))
-    inside = np.arange(s.shape[1])[None, :] < np.asarray(draft_len)[:, None]
+    return apply_to_logits(_logit(conditional(s)), draft_len, slope, bias)
+
+
+def apply_to_logits(logits: np.ndarray, draft_len: np.ndarray, slope: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """`apply` on curves already turned into conditional logits (many corrections of the same curves
+    need them once)."""
+    width = logits.shape[1]
+    h = 1.0 / (1.0 + np.exp(-np.clip(np.asarray(slope)[..., :width] * logits + np.asarray(bias)[..., :width],
+                                      -30.0, 30.0)))
+    inside = np.arange(width)[None, :] < np.asarray(draft_len)[:, None]
     return np.where(inside, np.cumprod(np.where(inside, h, 1.0), axis=1), 0.0).astype(np.float32)
 
 
@@ -161,8 +168,8 @@ Score = Callable[[Recent], Callable[[np.ndarray], float]]
 class ScopeFitter:
     """The recent observations of one scope (a workload, or a tenant's workload) and its fit."""
 
-    def __init__(self, window: int, prior: float, shifts: tuple[float, ...] = (0.0,)) -> None:
-        self.window, self.prior, self.shifts = window, prior, shifts
+    def __init__(self, window: int, prior: float, shifts: tuple[float, ...] = (0.0,), scored: int = 2000) -> None:
+        self.window, self.prior, self.shifts, self.scored = window, prior, shifts, scored
         self._z = [deque(maxlen=window) for _ in range(SURVIVAL_K)]
         self._y = [deque(maxlen=window) for _ in range(SURVIVAL_K)]
         # (raw curve, length, label, decided, request, position) of the recent drafts
@@ -187,8 +194,9 @@ class ScopeFitter:
         self.pending += n
 
     def fit(self, score: Score | None = None) -> Calibration:
-        """The log-loss fit, then (given `score`) the best of it and the identity, each moved by
-        every shift of the grid, by the score along the recent drafts' paths (ties: the smaller move)."""
+        """The log-loss fit, then (given `score`) the best of it and of the identity moved by each
+        shift of the grid, by the score along the newest `scored` drafts' paths (ties: the smaller
+        move). Each candidate costs a replay (~5 ms for 2,000 drafts): few candidates, few drafts."""
         self.pending = 0
         slope, bias = np.ones(SURVIVAL_K), np.zeros(SURVIVAL_K)
         for p in range(SURVIVAL_K):
@@ -196,18 +204,21 @@ class ScopeFitter:
                 slope[p], bias[p] = fit_position(np.array(self._z[p]), np.array(self._y[p]), self.prior)
         if score is None or not self._recent or self.shifts == (0.0,):
             return Calibration(slope, bias, self.events)
-        curves, lengths, labels, decided, request, position = zip(*self._recent)
+        newest = list(self._recent)[-self.scored:]
+        curves, lengths, labels, decided, request, position = zip(*newest)
         recent = Recent(np.stack(curves), np.array(lengths, dtype=np.int64), np.array(labels),
                         np.array(decided, dtype=bool), np.array(request, dtype=object), np.array(position, dtype=np.int64))
         goodput = score(recent)
+        logits = _logit(conditional(recent.curves))
+        identity = np.ones(SURVIVAL_K), np.zeros(SURVIVAL_K)
+        candidates = [(*identity, shift) for shift in self.shifts] + [(slope, bias, 0.0)]
         best, best_key = Calibration(slope, bias, self.events), None
-        for base_slope, base_bias in ((np.ones(SURVIVAL_K), np.zeros(SURVIVAL_K)), (slope, bias)):
-            for shift in self.shifts:
-                candidate = Calibration(base_slope, base_bias + shift, self.events)
-                value = goodput(apply(recent.curves, recent.draft_len, candidate.slope, candidate.bias))
-                key = (round(value, 9), -abs(shift))
-                if best_key is None or key > best_key:
-                    best, best_key = candidate, key
+        for a, b, shift in candidates:  # on a tie the first, the smaller move (the identity before the fit)
+            candidate = Calibration(a, b + shift, self.events)
+            key = (round(goodput(apply_to_logits(logits, recent.draft_len, candidate.slope, candidate.bias)), 9),
+                   -abs(shift))
+            if best_key is None or key > best_key:
+                best, best_key = candidate, key
         return best
 
 
@@ -219,8 +230,10 @@ class CalibrationConfig:
     prior: float = 30.0  # pseudo-observations pulling each position to the identity
     tenant_min_events: int = 5000  # a tenant's workload gets its own correction from this much traffic
     margin: float = 0.01  # served only if the counterfactual replay says it beats the uncorrected curves by this
-    # logit shifts tried on top of the fit and of the identity, scored by counterfactual goodput
+    # logit shifts of the identity tried beside the fit, scored by counterfactual goodput on the newest
+    # `scored` drafts of the scope
     shifts: tuple[float, ...] = (-1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 1.0, 1.5, 2.0)
+    scored: int = 2000
 
 
 class Calibrator:
@@ -250,7 +263,7 @@ class Calibrator:
         for key in keys:
             w = workloads.index(key[0])
             sel = (workload == w) if key[1] is None else (workload == w) & (tenant == key[1])
-            fitter = self._scopes.setdefault(key, ScopeFitter(cfg.window, cfg.prior, cfg.shifts))
+            fitter = self._scopes.setdefault(key, ScopeFitter(cfg.window, cfg.prior, cfg.shifts, cfg.scored))
             fitter.add(curves[sel], draft_len[sel], label[sel], decided[sel], request[sel], position[sel])
             ready = fitter.events >= cfg.tenant_min_events if key[1] is not None else True
             if ready and fitter.pending >= cfg.every:

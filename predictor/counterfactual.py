@@ -145,20 +145,18 @@ def replay_paths(curves: np.ndarray, paths: Paths, model_survival: np.ndarray, c
     draws = accepted_from_survival(se, paths.luck)
     accepted = np.where(plan.source == CACHE, np.minimum(paths.label, plan.length),
                         np.where(plan.source == MODEL, np.minimum(draws, plan.length), 0))
-    step_ms = np.asarray(plan.step_ms, dtype=np.float64)
-    ends = np.cumsum(paths.span).tolist()
-    advance, price, segment = (accepted + 1).tolist(), step_ms.tolist(), paths.segment.tolist()
-    tokens, time = [0.0] * paths.segments, [0.0] * paths.segments
-    begin = 0
-    for end in ends:  # one path after the other: each step's row is where the last one left it
-        r = begin
-        while r < end:
-            tokens[segment[r]] += advance[r]
-            time[segment[r]] += price[r]
-            r += advance[r]
-        begin = end
-    each = (np.array(tokens), np.array(time))
-    return Goodput(float(each[0].sum()), float(each[1].sum()), len(paths.kept), each)
+    advance, price = accepted + 1, np.asarray(plan.step_ms, dtype=np.float64)
+    end = np.cumsum(paths.span)
+    row = end - paths.span  # each path's next step, all paths at once (one row per path per round)
+    tokens, time = np.zeros(paths.segments), np.zeros(paths.segments)
+    going = np.flatnonzero(row < end)
+    while len(going):
+        at = row[going]
+        tokens[paths.segment[at]] += advance[at]  # one row per path: no segment twice in a round
+        time[paths.segment[at]] += price[at]
+        row[going] = at + advance[at]
+        going = going[row[going] < end[going]]
+    return Goodput(float(tokens.sum()), float(time.sum()), len(paths.kept), (tokens, time))
 
 
 def gain(challenger: Goodput, champion: Goodput) -> float:
