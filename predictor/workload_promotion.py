@@ -8,12 +8,14 @@ each policy walking its own path through the hindsight-labelled drafts, at the c
 prices) and the challenger becomes that workload's champion only where its goodput beats the
 champion's by `margin`, and clearly (predictor.counterfactual.wins: the gain over contiguous groups
 of the window's paths, less two standard errors, is above zero; a 1% edge on a thousand correlated
-drafts is noise). After a promotion the workload is watched: once its window holds only
-drafts served after the promotion, the new champion is replayed against the one it replaced, and
-unless it still gains at least `rollback_margin` (0: it must not lose) the workload moves back: the
-promotion won the best of many checks, so part of its edge was luck, and the drafts served since
-are the first look at it that was not chosen. Both models are compared raw
-(without the fast calibration, which is fitted afresh to whichever champion serves).
+drafts is noise). After a promotion the workload is on probation for `probation` windows: each
+time its window holds only drafts served after the last look, the new champion is replayed against
+the one it replaced, the outcomes are added to the earlier windows', and unless it still gains at
+least `rollback_margin` on all of them together (0: it must not lose) the workload moves back. The
+promotion won the best of many checks, so part of its edge was luck; the drafts served since are the
+first look at it that was not chosen, and a loss of half a percent shows only over several windows.
+No challenger is tried on a workload on probation. Both models are compared raw (without the fast
+calibration, which is fitted afresh to whichever champion serves).
 
 The caller (the learner service) owns the versions and aliases: this module decides.
 """
@@ -49,7 +51,18 @@ class Verdict:
 class _Watch:
     promoted: GatePredictor
     previous: GatePredictor
-    fresh: int = 0  # drafts of the workload since the promotion
+    windows_left: int
+    fresh: int = 0  # drafts of the workload since the promotion or the last window judged
+    # tokens and ms of the windows judged so far: promoted, then previous; and their drafts
+    totals: np.ndarray = field(default_factory=lambda: np.zeros((2, 2)))
+    drafts: int = 0
+
+    def add(self, promoted: Goodput, previous: Goodput) -> tuple[Goodput, Goodput]:
+        """One more window judged; the outcomes of all of them so far."""
+        self.totals += [[promoted.tokens, promoted.ms], [previous.tokens, previous.ms]]
+        self.drafts += promoted.drafts
+        self.fresh, self.windows_left = 0, self.windows_left - 1
+        return Goodput(*self.totals[0], self.drafts), Goodput(*self.totals[1], self.drafts)
 
 
 @dataclass
@@ -96,9 +109,16 @@ class WorkloadPromoter:
         return Batch.join(out)
 
     def watch(self, w: int, promoted: GatePredictor, previous: GatePredictor, fresh: int = 0) -> None:
-        """Watch a promotion made elsewhere (a previous leader's): judged like this one's own once the
-        window holds `holdout` drafts served after it (`fresh` of them already were)."""
-        self._windows[w].watch = _Watch(promoted, previous, fresh)
+        """Watch a promotion made elsewhere (a previous leader's), `fresh` of its workload's drafts
+        served since: the rest of its probation, judged like this leader's own (the windows the
+        other leader judged count as served, their outcomes are not known here)."""
+        holdout = self.policy.holdout
+        self._windows[w].watch = _Watch(promoted, previous, max(1, self.policy.probation - fresh // holdout),
+                                        fresh % holdout)
+
+    def on_probation(self, fresh: int) -> bool:
+        """Whether a promotion with `fresh` drafts of its workload served since is still watched."""
+        return fresh < self.policy.probation * self.policy.holdout
 
     def watching(self, w: int) -> bool:
         return self._windows[w].watch is not None
@@ -111,8 +131,9 @@ class WorkloadPromoter:
 
     def judge(self, w: int, champion: GatePredictor, challenger: GatePredictor, model_survival: np.ndarray,
               cost: CostProfile) -> Verdict:
-        """The comparison due on workload `w`: a watched promotion first (roll back or confirm once
-        the window is all post-promotion), else the challenger against the champion."""
+        """The comparison due on workload `w`: a promotion on probation first (nothing until the
+        window is all drafts served since its last look; then roll back, or keep it, on all its
+        looks so far), else the challenger against the champion."""
         win = self._windows[w]
         win.since_check = 0
         watch = win.watch
@@ -120,17 +141,19 @@ class WorkloadPromoter:
             verdict = Verdict(w, "keep", 0.0, Goodput(0, 0, 0), Goodput(0, 0, 0))  # not enough post-promotion traffic
             return verdict
         if watch is not None:
-            win.watch = None
-            promoted, previous = self._replay(win, watch.promoted, model_survival, cost), \
-                self._replay(win, watch.previous, model_survival, cost)
+            promoted, previous = watch.add(self._replay(win, watch.promoted, model_survival, cost),
+                                           self._replay(win, watch.previous, model_survival, cost))
             kept = gain(promoted, previous)
-            verdict = Verdict(w, "rollback" if kept < self.policy.rollback_margin else "keep", kept, promoted, previous)
+            rollback = kept < self.policy.rollback_margin
+            if rollback or watch.windows_left <= 0:
+                win.watch = None
+            verdict = Verdict(w, "rollback" if rollback else "keep", kept, promoted, previous)
         else:
             chal, champ = self._replay(win, challenger, model_survival, cost), self._replay(win, champion, model_survival, cost)
             won, g = wins(chal, champ, self.policy.margin)
             verdict = Verdict(w, "promote" if won else "keep", g, chal, champ)
             if verdict.action == "promote":
-                win.watch = _Watch(challenger, champion)
+                win.watch = _Watch(challenger, champion, max(1, self.policy.probation))
         win.verdicts.append(verdict)
         return verdict
 
@@ -146,15 +169,18 @@ class WorkloadPromoter:
         return len(self._windows[w].drafts.label)
 
 
-def paths_of(drafts: Batch) -> Paths:
-    """The drafts along their requests' paths (drafts of unknown request stand alone)."""
+def paths_of(drafts: Batch, batch: int | None = None) -> Paths:
+    """The drafts along their requests' paths (drafts of unknown request stand alone), replayed
+    `batch` at a time (None: as many as were served at once)."""
     n = len(drafts.label)
     return Paths.of(np.full(n, "", dtype=object) if drafts.request is None else drafts.request,
                     np.full(n, -1, dtype=np.int64) if drafts.position is None else drafts.position,
-                    drafts.draft_len, drafts.label, np.ones(n, dtype=bool) if drafts.decided is None else drafts.decided)
+                    drafts.draft_len, drafts.label, np.ones(n, dtype=bool) if drafts.decided is None else drafts.decided,
+                    batch=batch)
 
 
-def replay_drafts(curves: np.ndarray, drafts: Batch, model_survival: np.ndarray, cost: CostProfile) -> Goodput:
+def replay_drafts(curves: np.ndarray, drafts: Batch, model_survival: np.ndarray, cost: CostProfile,
+                  batch: int | None = None) -> Goodput:
     """predictor.counterfactual.replay_paths on a batch of drafts (one curve per draft), the model
     drafter's curve the same for all."""
-    return replay_paths(curves, paths_of(drafts), np.asarray(model_survival).reshape(-1), cost)
+    return replay_paths(curves, paths_of(drafts, batch), np.asarray(model_survival).reshape(-1), cost)

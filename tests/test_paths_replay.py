@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from predictor.counterfactual import SEGMENT, Paths, gain, replay_goodput, replay_paths
+from predictor.counterfactual import SEGMENT, Paths, concurrency, gain, replay_goodput, replay_paths
 from predictor.mlp import SURVIVAL_K
 from predictor.profiles import cost_profiles
 
@@ -84,7 +84,7 @@ def test_every_path_covers_its_span_and_policies_are_sliced_alike(seed, n, reque
     position = rng.integers(0, 3 * SEGMENT, n)
     draft_len = rng.integers(1, K + 1, n)
     label = rng.integers(0, draft_len + 1)
-    paths = Paths.of(request, position, draft_len, label, rng.random(n) < 0.3)
+    paths = Paths.of(request, position, draft_len, label, rng.random(n) < 0.3, batch=1)
     span = int(paths.span.sum())
     a = replay_paths(sure(n, draft_len), paths, NO_MODEL, COST)
     b = replay_paths(hopeless(n), paths, NO_MODEL, COST)
@@ -104,3 +104,54 @@ def test_the_model_drafter_meets_the_same_luck_under_every_policy():
     again = replay_paths(hopeless(6), Paths.of(request, position, draft_len, label, decided, seed=3), model, COST)
     assert (first.tokens, first.ms) == (again.tokens, again.ms)
     assert first.tokens >= 6 and first.ms > 0
+
+
+def test_concurrency_is_read_from_how_decisions_interleave():
+    two = np.array(["a", "b", "a", "b", "a"], dtype=object)
+    assert concurrency(two, np.ones(5, dtype=bool)) == 2
+    assert concurrency(np.array(["a", "a", "b", "b"], dtype=object), np.ones(4, dtype=bool)) == 1
+    assert concurrency(two, np.array([True, False, True, False, True])) == 1  # shadow drafts are not steps
+    assert concurrency(two, np.zeros(5, dtype=bool)) == 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(order=st.lists(st.integers(0, 6), min_size=1, max_size=60))
+def test_concurrency_is_the_most_decision_spans_that_overlap(order):
+    request = np.array([str(r) for r in order], dtype=object)
+    spans = {r: (order.index(r), len(order) - 1 - order[::-1].index(r)) for r in set(order)}
+    brute = max(sum(1 for lo, hi in spans.values() if lo <= i <= hi) for i in range(len(order)))
+    assert concurrency(request, np.ones(len(order), dtype=bool)) == brute
+
+
+def test_paths_served_together_are_walked_together_at_the_batch_price():
+    """Two requests served at once: each step plans both with one allocate call and charges each
+    half the step; once one is done the other walks alone at batch 1's price."""
+    request = np.array(["a", "b", "a", "b", "a"], dtype=object)
+    position = np.array([0, 0, 1, 1, 2])  # a spans 3 positions, b 2 (b's last step ends it)
+    draft_len = np.ones(5, dtype=np.int64)
+    label = np.zeros(5, dtype=np.int64)
+    paths = Paths.of(request, position, draft_len, label, np.ones(5, dtype=bool))
+    assert paths.batch == 2
+    out = replay_paths(hopeless(5), paths, NO_MODEL, COST)
+    assert out.tokens == 5
+    assert out.ms == pytest.approx(2 * COST.step_ms(2, 2) + COST.step_ms(1, 1))
+    alone = replay_paths(hopeless(5), Paths.of(request, position, draft_len, label, np.ones(5, dtype=bool), batch=1),
+                         NO_MODEL, COST)
+    assert alone.tokens == 5 and alone.ms == pytest.approx(5 * COST.step_ms(1, 1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 80), requests=st.integers(1, 5), batch=st.integers(2, 4))
+def test_batched_paths_cover_their_spans_and_are_sliced_alike(seed, n, requests, batch):
+    rng = np.random.default_rng(seed)
+    request = rng.integers(0, requests, n).astype(str).astype(object)
+    position = rng.integers(0, 3 * SEGMENT, n)
+    draft_len = rng.integers(1, K + 1, n)
+    label = rng.integers(0, draft_len + 1)
+    paths = Paths.of(request, position, draft_len, label, rng.random(n) < 0.3, batch=batch)
+    span = int(paths.span.sum())
+    a = replay_paths(sure(n, draft_len), paths, NO_MODEL, COST)
+    b = replay_paths(hopeless(n), paths, NO_MODEL, COST)
+    assert b.tokens == span and a.tokens >= span
+    assert len(a.each[0]) == len(b.each[0]) == paths.segments
+    assert a.each[1].sum() == pytest.approx(a.ms) and b.each[0].sum() == pytest.approx(b.tokens)

@@ -2,6 +2,8 @@
 control poller and runtime acting on them through SQL."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -12,7 +14,7 @@ from predictor.mlp import DRAFT_LEN_COLUMN, SURVIVAL_K, GatePredictor
 from predictor.online import Batch
 from predictor.profiles import cost_profiles
 from predictor.traces import WORKLOADS
-from predictor.workload_promotion import WorkloadPromoter
+from predictor.workload_promotion import WorkloadPromoter, replay_drafts
 
 K = SURVIVAL_K
 COST = cost_profiles()["cpu-smollm2"]
@@ -193,7 +195,7 @@ def test_same_events_same_promotions_and_calibrations(pessimist_db):
             pass
         with session_scope(engine) as s:
             blobs = [v.blob_sha256 for v in list_versions(s) if v.id in service.stats.promotions]
-            moves = [(e.alias_name, e.reason.split(" over v")[0]) for e in list_alias_events(s)
+            moves = [(e.alias_name, re.sub(r"v\d+", "v#", e.reason)) for e in list_alias_events(s)
                      if e.alias_name.startswith("champion/") and e.to_version_id in service.stats.promotions]
             fits = sorted((c.workload, c.tenant, c.events, str(c.params)) for c in list_calibrations(s))
         outcomes.append((blobs, moves, fits, [w for w, _, _ in service.stats.rollbacks]))
@@ -292,12 +294,40 @@ def test_a_new_leader_watches_the_promotions_its_predecessor_had_not_seen_throug
 
 @pytest.mark.parametrize("label_after, kept", [(12, True), (0, False)])
 def test_a_promotion_stays_only_if_it_still_wins_on_the_drafts_served_after_it(label_after, kept):
-    """The default rollback margin is 0: any loss on the first drafts not chosen on sends it back."""
-    promoter = WorkloadPromoter(CounterfactualPolicy(holdout=200, check_every=100), NUM_FEATURES, len(WORKLOADS))
+    """The default rollback margin is 0: any loss on the drafts not chosen on sends it back; a
+    promotion that still wins stays on probation for its remaining windows."""
+    promoter = WorkloadPromoter(CounterfactualPolicy(holdout=200, check_every=100, probation=2), NUM_FEATURES,
+                                len(WORKLOADS))
     promoter.hold(drafts(200, 12))
     assert promoter.judge(SQL, PESSIMIST, OPTIMIST, no_model(1), COST).action == "promote"
     assert promoter.watching(SQL)
     promoter.hold(drafts(200, label_after))
     verdict = promoter.judge(SQL, OPTIMIST, OPTIMIST, no_model(1), COST)
     assert verdict.action == ("keep" if kept else "rollback") and (verdict.gain > 0) == kept
-    assert not promoter.watching(SQL)
+    assert promoter.watching(SQL) == kept  # one more window of probation
+    if kept:
+        promoter.hold(drafts(200, label_after))
+        assert promoter.judge(SQL, OPTIMIST, OPTIMIST, no_model(1), COST).action == "keep"
+        assert not promoter.watching(SQL)
+
+
+def test_probation_judges_every_window_served_since_the_promotion_together():
+    """Each look adds its window's outcomes to the earlier looks': a small loss is judged on all of
+    them, not on the newest window alone; no challenger is tried meanwhile."""
+    promoter = WorkloadPromoter(CounterfactualPolicy(holdout=200, check_every=100, probation=3), NUM_FEATURES,
+                                len(WORKLOADS))
+    promoter.hold(drafts(200, 12))
+    assert promoter.judge(SQL, PESSIMIST, OPTIMIST, no_model(1), COST).action == "promote"
+    looks = []
+    for label in (12, 0):
+        window = drafts(200, label)
+        promoter.hold(window)
+        looks.append((replay_drafts(OPTIMIST.survival(window.features), window, no_model(1)[0], COST),
+                      replay_drafts(PESSIMIST.survival(window.features), window, no_model(1)[0], COST)))
+        verdict = promoter.judge(SQL, OPTIMIST, PESSIMIST, no_model(1), COST)  # PESSIMIST as challenger: not tried
+        assert verdict.action in ("keep", "rollback")
+    promoted = Goodput(sum(a.tokens for a, _ in looks), sum(a.ms for a, _ in looks), 400)
+    previous = Goodput(sum(b.tokens for _, b in looks), sum(b.ms for _, b in looks), 400)
+    assert verdict.candidate.drafts == 400
+    assert verdict.gain == pytest.approx(gain(promoted, previous))
+    assert verdict.action == ("rollback" if gain(promoted, previous) < 0 else "keep")

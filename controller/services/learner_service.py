@@ -224,21 +224,24 @@ class LearnerService(BackgroundService):
                 continue
             raw = self._serving(workload)[1].survival(window.features)
             model = self.tuner.model.curves(np.array([w]))
+            batch = self.config.calibration.replay_batch
             pays, verdict = wins(replay_drafts(served_curves_from(raw, window.draft_len, calibration), window, model,
-                                               self.decision.cost),
-                                 replay_drafts(raw, window, model, self.decision.cost), self.config.calibration.margin)
+                                               self.decision.cost, batch),
+                                 replay_drafts(raw, window, model, self.decision.cost, batch),
+                                 self.config.calibration.margin)
             judged[(workload, tenant)] = (calibration, pays, verdict)
         self.stats.calibrations += len(judged)
         return judged
 
     def _score(self, workload: str) -> Score:
         """Counterfactual goodput of a workload's drafts along their paths under given curves (the
-        fast calibration's shift is chosen by it)."""
+        fast calibration's shift is chosen by it), at the calibration's replay batch."""
         model = self.tuner.model.curves(np.array([WORKLOADS.index(workload)]))[0]
         cost = self.decision.cost
 
         def score(recent: Recent) -> Callable[[np.ndarray], float]:
-            paths = Paths.of(recent.request, recent.position, recent.draft_len, recent.label, recent.decided)
+            paths = Paths.of(recent.request, recent.position, recent.draft_len, recent.label, recent.decided,
+                             batch=self.config.calibration.replay_batch)
             return lambda curves: replay_paths(curves, paths, model, cost).per_ms
 
         return score
@@ -251,10 +254,10 @@ class LearnerService(BackgroundService):
         self._resume_watches()
 
     def _resume_watches(self) -> None:
-        """A workload whose alias was last moved by a learner's promotion, still in place, with fewer
-        than `holdout` of its drafts stored since, is watched as if this leader had promoted it
-        (predictor.workload_promotion): the watch outlives the leader that started it."""
-        holdout = self.config.counterfactual.holdout
+        """A workload whose alias was last moved by a learner's promotion, still in place and still on
+        probation (fewer than `probation` windows of its drafts stored since), is watched for the
+        rest of it as if this leader had promoted it (predictor.workload_promotion): the watch
+        outlives the leader that started it."""
         with session_scope(self.engine) as s:
             pending = []
             for w in WORKLOADS:
@@ -267,7 +270,7 @@ class LearnerService(BackgroundService):
                         or not last.reason.startswith("promotion for")):
                     continue
                 fresh = count_cache_drafts_since(s, w, last.at)
-                if fresh < holdout:
+                if self.promoter.on_probation(fresh):
                     pending.append((w, last.to_version_id, last.from_version_id or self.champion_id, fresh))
         for w, promoted_id, previous_id, fresh in pending:
             promoted, previous = load_gate(self.engine, promoted_id)[1], load_gate(self.engine, previous_id)[1]
