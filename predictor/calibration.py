@@ -234,11 +234,6 @@ class CalibrationConfig:
     # `scored` drafts of the scope
     shifts: tuple[float, ...] = (-1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 1.0, 1.5, 2.0)
     scored: int = 2000
-    # Requests walked at once when ranking the candidates and judging the chosen one (None: as many
-    # as were served at once, as promotions are judged). A correction is judged at every refit, so
-    # the stricter judge serves fewer lucky ones: on the left-out sources, judged at the served
-    # batch, toolbench was served one that lost 0.5% ms; judged at batch 1 it was not.
-    replay_batch: int | None = 1
 
 
 class Calibrator:

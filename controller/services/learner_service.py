@@ -37,6 +37,11 @@ from storage.events import count_cache_drafts_since, events_after, last_event_id
 from storage.versions import (add_drift_event, add_tau_history, create_version, get_alias_version,
                               list_alias_events)
 
+# A fast calibration is served only where the held-back window's replay says it wins both walked one
+# request at a time and walked at the served batch (None): judged at every refit, it needs the
+# stricter bar, and the two walks err differently (on the left-out sources the served batch alone
+# served a toolbench correction that lost 0.5% ms, batch 1 alone a can-ai-code one that lost 0.3%).
+CALIBRATION_JUDGES = (1, None)
 MIN_JUDGED = 200  # held-back drafts a scope needs before its calibration is judged (and served)
 
 
@@ -224,24 +229,29 @@ class LearnerService(BackgroundService):
                 continue
             raw = self._serving(workload)[1].survival(window.features)
             model = self.tuner.model.curves(np.array([w]))
-            batch = self.config.calibration.replay_batch
-            pays, verdict = wins(replay_drafts(served_curves_from(raw, window.draft_len, calibration), window, model,
-                                               self.decision.cost, batch),
-                                 replay_drafts(raw, window, model, self.decision.cost, batch),
-                                 self.config.calibration.margin)
+            corrected = served_curves_from(raw, window.draft_len, calibration)
+            pays, verdict = True, 0.0
+            for batch in CALIBRATION_JUDGES:
+                won, verdict = wins(replay_drafts(corrected, window, model, self.decision.cost, batch),
+                                    replay_drafts(raw, window, model, self.decision.cost, batch),
+                                    self.config.calibration.margin)
+                pays = pays and won
+                if not pays:
+                    break
             judged[(workload, tenant)] = (calibration, pays, verdict)
         self.stats.calibrations += len(judged)
         return judged
 
     def _score(self, workload: str) -> Score:
         """Counterfactual goodput of a workload's drafts along their paths under given curves (the
-        fast calibration's shift is chosen by it), at the calibration's replay batch."""
+        fast calibration's shift is chosen by it). Walked one request at a time, which ranks ten
+        candidates per refit cheaply; whether the chosen one is served is judged by CALIBRATION_JUDGES."""
         model = self.tuner.model.curves(np.array([WORKLOADS.index(workload)]))[0]
         cost = self.decision.cost
 
         def score(recent: Recent) -> Callable[[np.ndarray], float]:
             paths = Paths.of(recent.request, recent.position, recent.draft_len, recent.label, recent.decided,
-                             batch=self.config.calibration.replay_batch)
+                             batch=1)
             return lambda curves: replay_paths(curves, paths, model, cost).per_ms
 
         return score
