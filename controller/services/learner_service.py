@@ -230,12 +230,10 @@ class LearnerService(BackgroundService):
             raw = self._serving(workload)[1].survival(window.features)
             model = self.tuner.model.curves(np.array([w]))
             corrected = served_curves_from(raw, window.draft_len, calibration)
-            pays, verdict = True, 0.0
             for batch in CALIBRATION_JUDGES:
-                won, verdict = wins(replay_drafts(corrected, window, model, self.decision.cost, batch),
-                                    replay_drafts(raw, window, model, self.decision.cost, batch),
-                                    self.config.calibration.margin)
-                pays = pays and won
+                pays, verdict = wins(replay_drafts(corrected, window, model, self.decision.cost, batch),
+                                     replay_drafts(raw, window, model, self.decision.cost, batch),
+                                     self.config.calibration.margin)
                 if not pays:
                     break
             judged[(workload, tenant)] = (calibration, pays, verdict)
