@@ -5,13 +5,16 @@ from controller.cli.serve_traces import ServeResult
 
 
 def format_serve_summary(result: ServeResult) -> str:
-    lines = [f"{'workload':10s} {'tokens':>9s} {'cycles/1k':>10s} {'cache cycles':>13s} {'model cycles':>13s}"]
-    for w, t in sorted(result.run.by_workload.items()):
-        lines.append(f"{w:10s} {t.tokens:9d} {t.cycles_per_1k:10.1f} {t.cache_cycles:13d} {t.model_cycles:13d}")
-    total = result.run.total()
-    lines.append(f"{'overall':10s} {total.tokens:9d} {total.cycles_per_1k:10.1f} {total.cache_cycles:13d} {total.model_cycles:13d}")
-    lines.append(f"{result.seconds:.1f} s; promotions {result.promotions or 'none'}; drift events {len(result.drifts)}"
-                 + ("; interrupted" if result.interrupted else ""))
+    """Per workload and overall: cycles/1k and the cost profile's simulated ms/1k (what the allocator
+    minimises), with the counts they are made of."""
+    lines = [f"{'workload':10s} {'tokens':>9s} {'cycles/1k':>10s} {'ms/1k':>9s} {'cache cycles':>13s} "
+             f"{'model cycles':>13s} {'rejected':>9s}"]
+    rows = [*sorted(result.run.by_workload.items()), ("overall", result.run.total())]
+    for w, t in rows:
+        lines.append(f"{w:10s} {t.tokens:9d} {t.cycles_per_1k:10.1f} {t.ms_per_1k:9.1f} {t.cache_cycles:13d} "
+                     f"{t.model_cycles:13d} {t.wasted:9d}")
+    lines.append(f"{result.run.steps} engine steps; {result.seconds:.1f} s; promotions {result.promotions or 'none'}; "
+                 f"drift events {len(result.drifts)}" + ("; interrupted" if result.interrupted else ""))
     lines.append(result.tally.line() + ("" if result.tally.lost == 0 else " (queued but not written at exit)"))
     for h in result.services:
         if h.failures:
