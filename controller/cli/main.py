@@ -288,7 +288,8 @@ def _serve_replay(args: argparse.Namespace, engine) -> int:
         records = round_robin_sources(records)[: args.max_requests]
     metrics, endpoint = _serve_metrics(port, args.metrics_address) if port else (None, None)
     print(f"serving {len(records)} requests on the replay engine (batch {args.batch_size}, {args.tenants} tenants, "
-          f"learning {'off' if args.no_learn else 'on'}); Ctrl-C or SIGTERM stops cleanly")
+          f"{'the binary oracle gate' if args.oracle else 'learning off' if args.no_learn else 'learning on'}); "
+          "Ctrl-C or SIGTERM stops cleanly")
     opts = ReplayServeOptions(batch_size=args.batch_size, tenants=args.tenants, seed=args.seed,
                               learn=not (args.no_learn or args.oracle), synchronous=args.synchronous,
                               oracle=args.oracle, rule=args.rule)
