@@ -8,7 +8,12 @@ each policy walking its own path through the hindsight-labelled drafts, at the c
 prices) and the challenger becomes that workload's champion only where its goodput beats the
 champion's by `margin`, and clearly (predictor.counterfactual.wins: the gain over contiguous groups
 of the window's paths, less two standard errors, is above zero; a 1% edge on a thousand correlated
-drafts is noise). After a promotion the workload is on probation for `probation` windows: each
+drafts is noise). A winner is not promoted yet: on `confirmations` further windows, each made only
+of drafts that came after the last look, it must still gain at least `rollback_margin` (what a
+probation asks). Checked every `check_every` drafts on windows that overlap, a challenger now and
+then wins one by luck; a window it was not chosen on says whether the edge is real, and costs a
+window's delay instead of a window served worse. After a
+promotion the workload is on probation for `probation` windows: each
 time its window holds only drafts served after the last look, the new champion is replayed against
 the one it replaced, the outcomes are added to the earlier windows', and unless it still gains at
 least `rollback_margin` on all of them together (0: it must not lose) the workload moves back. The
@@ -66,10 +71,19 @@ class _Watch:
 
 
 @dataclass
+class _Pending:
+    """A challenger that won a check, waiting for its confirmations on windows of later drafts."""
+
+    left: int
+    fresh: int = 0  # drafts of the workload since its last win
+
+
+@dataclass
 class _Window:
     drafts: Batch
     since_check: int = 0
     watch: _Watch | None = None
+    pending: _Pending | None = None
     verdicts: list[Verdict] = field(default_factory=list)
 
 
@@ -100,8 +114,9 @@ class WorkloadPromoter:
             win.drafts = Batch.join([win.drafts, batch.take(sel)])
             n = int(sel.sum())
             win.since_check += n
-            if win.watch is not None:
-                win.watch.fresh += n
+            for waiting in (win.watch, win.pending):
+                if waiting is not None:
+                    waiting.fresh += n
             spill = max(0, len(win.drafts.label) - self.policy.holdout)
             if spill:
                 out.append(win.drafts.take(slice(0, spill)))
@@ -123,6 +138,10 @@ class WorkloadPromoter:
     def watching(self, w: int) -> bool:
         return self._windows[w].watch is not None
 
+    def confirming(self, w: int) -> bool:
+        """Whether a challenger's win on workload `w` waits for its confirmation."""
+        return self._windows[w].pending is not None
+
     def due(self) -> list[int]:
         """Workloads whose window is full and has seen `check_every` new drafts since its last check."""
         p = self.policy
@@ -133,13 +152,14 @@ class WorkloadPromoter:
               cost: CostProfile) -> Verdict:
         """The comparison due on workload `w`: a promotion on probation first (nothing until the
         window is all drafts served since its last look; then roll back, or keep it, on all its
-        looks so far), else the challenger against the champion."""
+        looks so far), else the challenger against the champion: a win starts its confirmations, and
+        only the last of them promotes (a loss ends them)."""
         win = self._windows[w]
         win.since_check = 0
         watch = win.watch
-        if watch is not None and watch.fresh < self.policy.holdout:
-            verdict = Verdict(w, "keep", 0.0, Goodput(0, 0, 0), Goodput(0, 0, 0))  # not enough post-promotion traffic
-            return verdict
+        waiting = watch if watch is not None else win.pending
+        if waiting is not None and waiting.fresh < self.policy.holdout:
+            return Verdict(w, "keep", 0.0, Goodput(0, 0, 0), Goodput(0, 0, 0))  # not enough later traffic yet
         if watch is not None:
             promoted, previous = watch.add(self._replay(win, watch.promoted, model_survival, cost),
                                            self._replay(win, watch.previous, model_survival, cost))
@@ -150,8 +170,14 @@ class WorkloadPromoter:
             verdict = Verdict(w, "rollback" if rollback else "keep", kept, promoted, previous)
         else:
             chal, champ = self._replay(win, challenger, model_survival, cost), self._replay(win, champion, model_survival, cost)
-            won, g = wins(chal, champ, self.policy.margin)
-            verdict = Verdict(w, "promote" if won else "keep", g, chal, champ)
+            if win.pending is None:
+                won, g = wins(chal, champ, self.policy.margin)
+                left = self.policy.confirmations if won else None
+            else:  # a look it was not chosen on: it must still gain what a probation asks
+                g = gain(chal, champ)
+                left = win.pending.left - 1 if g >= self.policy.rollback_margin else None
+            win.pending = _Pending(left) if left else None
+            verdict = Verdict(w, "promote" if left == 0 else "keep", g, chal, champ)
             if verdict.action == "promote":
                 win.watch = _Watch(challenger, champion, max(1, self.policy.probation))
         win.verdicts.append(verdict)

@@ -67,7 +67,7 @@ def test_the_window_holds_the_newest_drafts_back_from_training():
 
 
 def test_a_winning_challenger_is_promoted_for_its_workload_and_rolled_back_when_it_regresses():
-    policy = CounterfactualPolicy(holdout=200, check_every=100, margin=0.01, rollback_margin=0.01)
+    policy = CounterfactualPolicy(holdout=200, check_every=100, margin=0.01, rollback_margin=0.01, confirmations=0)
     promoter = WorkloadPromoter(policy, NUM_FEATURES, len(WORKLOADS))
     promoter.hold(drafts(200, 12))  # every draft fully accepted: the optimist is right
     (w,) = promoter.due()
@@ -80,6 +80,29 @@ def test_a_winning_challenger_is_promoted_for_its_workload_and_rolled_back_when_
     assert verdict.action == "rollback" and verdict.gain == pytest.approx(COST.step_ms(1, 1) / COST.step_ms(1, 13) - 1)
     promoter.hold(drafts(100, 0))
     assert promoter.judge(SQL, PESSIMIST, PESSIMIST, no_model(1), COST).action == "keep"  # equal: no margin
+
+
+@pytest.mark.parametrize("label_after, promoted", [(12, True), (0, False)])
+def test_a_win_is_promoted_only_once_a_window_of_later_drafts_confirms_it(label_after, promoted):
+    """The first win waits for a window made only of drafts after it (nothing is judged before);
+    winning that promotes and starts the probation, losing it ends the wait with no promotion."""
+    promoter = WorkloadPromoter(CounterfactualPolicy(holdout=200, check_every=100, confirmations=1), NUM_FEATURES,
+                                len(WORKLOADS))
+    promoter.hold(drafts(200, 12))
+    first = promoter.judge(SQL, PESSIMIST, OPTIMIST, no_model(1), COST)
+    assert first.action == "keep" and first.gain > 1.0 and promoter.confirming(SQL)
+    promoter.hold(drafts(100, label_after))
+    waiting = promoter.judge(SQL, PESSIMIST, OPTIMIST, no_model(1), COST)
+    assert (waiting.action, waiting.gain, waiting.candidate.drafts) == ("keep", 0.0, 0)  # half the window is old
+    promoter.hold(drafts(100, label_after))
+    verdict = promoter.judge(SQL, PESSIMIST, OPTIMIST, no_model(1), COST)
+    assert verdict.action == ("promote" if promoted else "keep") and (verdict.gain > 0) == promoted
+    assert verdict.candidate.drafts == 200 and not promoter.confirming(SQL)
+    assert promoter.watching(SQL) == promoted
+    if not promoted:  # the next check is an ordinary one again: a win there waits for its own window
+        promoter.hold(drafts(200, 12))
+        assert promoter.judge(SQL, PESSIMIST, OPTIMIST, no_model(1), COST).action == "keep"
+        assert promoter.confirming(SQL)
 
 
 def test_no_promotion_without_the_margin():
@@ -296,7 +319,8 @@ def test_a_new_leader_watches_the_promotions_its_predecessor_had_not_seen_throug
 def test_a_promotion_stays_only_if_it_still_wins_on_the_drafts_served_after_it(label_after, kept):
     """The default rollback margin is 0: any loss on the drafts not chosen on sends it back; a
     promotion that still wins stays on probation for its remaining windows."""
-    promoter = WorkloadPromoter(CounterfactualPolicy(holdout=200, check_every=100, probation=2), NUM_FEATURES,
+    promoter = WorkloadPromoter(CounterfactualPolicy(holdout=200, check_every=100, probation=2, confirmations=0),
+                                NUM_FEATURES,
                                 len(WORKLOADS))
     promoter.hold(drafts(200, 12))
     assert promoter.judge(SQL, PESSIMIST, OPTIMIST, no_model(1), COST).action == "promote"
@@ -314,7 +338,8 @@ def test_a_promotion_stays_only_if_it_still_wins_on_the_drafts_served_after_it(l
 def test_probation_judges_every_window_served_since_the_promotion_together():
     """Each look adds its window's outcomes to the earlier looks': a small loss is judged on all of
     them, not on the newest window alone; no challenger is tried meanwhile."""
-    promoter = WorkloadPromoter(CounterfactualPolicy(holdout=200, check_every=100, probation=3), NUM_FEATURES,
+    promoter = WorkloadPromoter(CounterfactualPolicy(holdout=200, check_every=100, probation=3, confirmations=0),
+                                NUM_FEATURES,
                                 len(WORKLOADS))
     promoter.hold(drafts(200, 12))
     assert promoter.judge(SQL, PESSIMIST, OPTIMIST, no_model(1), COST).action == "promote"
