@@ -234,6 +234,19 @@ class CalibrationConfig:
     # `scored` drafts of the scope
     shifts: tuple[float, ...] = (-1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 1.0, 1.5, 2.0)
     scored: int = 2000
+    # A scope's corrections are served only once one of them, after paying on the window it was
+    # judged on, still gained on a window of later drafts (Calibrator.admit). A refit is judged on a
+    # window that shares nine tenths of its drafts with the last refit's, so over a stream a
+    # correction now and then pays by luck; the later window is a look it was not chosen on.
+    confirm: bool = True
+
+
+@dataclass
+class _Trial:
+    """A scope's paying correction, not served, waiting for a window of drafts after it."""
+
+    calibration: Calibration
+    fresh: int = 0  # drafts of the scope's workload since the trial began
 
 
 class Calibrator:
@@ -243,6 +256,8 @@ class Calibrator:
     def __init__(self, config: CalibrationConfig | None = None) -> None:
         self.config = config or CalibrationConfig()
         self._scopes: dict[tuple[str, str | None], ScopeFitter] = {}
+        self._trials: dict[tuple[str, str | None], _Trial] = {}
+        self._confirmed: set[tuple[str, str | None]] = set()
 
     def observe(self, curves: np.ndarray, draft_len: np.ndarray, label: np.ndarray, workload: np.ndarray,
                 tenant: np.ndarray, workloads: tuple[str, ...], decided: np.ndarray | None = None,
@@ -270,10 +285,42 @@ class Calibrator:
                 changed[key] = fitter.fit(None if score is None else score(key[0]))
         return changed
 
+    def admit(self, key: tuple[str, str | None], calibration: Calibration, pays: bool) -> bool:
+        """Whether a refit of scope `key` that `pays` (or not) on its held-back window is served.
+        With `confirm`, an unconfirmed scope's paying refit starts a trial instead (not served; see
+        `due` and `settle`); a confirmed scope serves each refit that pays, and one that does not
+        pay ends the confirmation."""
+        if not self.config.confirm or key in self._confirmed:
+            if not pays:
+                self._confirmed.discard(key)
+            return pays
+        if pays and key not in self._trials:
+            self._trials[key] = _Trial(calibration)
+        return False
+
+    def count(self, workload: np.ndarray, workloads: tuple[str, ...]) -> None:
+        """New labelled drafts arrived (their workload indices): the trials' later traffic."""
+        for key, trial in self._trials.items():
+            trial.fresh += int(np.count_nonzero(workload == workloads.index(key[0])))
+
+    def due(self, drafts: int) -> dict[tuple[str, str | None], Calibration]:
+        """The trials with at least `drafts` drafts of their workload since they began: a held-back
+        window of that size is now made only of drafts the trial's correction was not chosen on."""
+        return {k: t.calibration for k, t in self._trials.items() if t.fresh >= drafts}
+
+    def settle(self, key: tuple[str, str | None], gained: bool) -> None:
+        """A trial judged on its later window: confirmed if its correction still gained there."""
+        del self._trials[key]
+        if gained:
+            self._confirmed.add(key)
+
     def reset(self, workload: str | None = None) -> list[tuple[str, str | None]]:
-        """Forget the scopes of `workload` (all, if None): a drift, or a new champion whose outputs
-        the old corrections do not fit. Returns the scopes forgotten."""
+        """Forget the scopes of `workload` (all, if None), their trials and confirmations: a drift,
+        or a new champion whose outputs the old corrections do not fit. Returns the scopes forgotten."""
         gone = [k for k in self._scopes if workload is None or k[0] == workload]
         for k in gone:
             del self._scopes[k]
+        for k in [k for k in self._trials if workload is None or k[0] == workload]:
+            del self._trials[k]
+        self._confirmed = {k for k in self._confirmed if workload is not None and k[0] != workload}
         return gone

@@ -118,3 +118,30 @@ def test_the_refit_takes_the_shift_the_score_prefers_and_the_smaller_one_on_a_ti
     flat = ScopeFitter(window=1000, prior=1e9, shifts=shifts)
     flat.add(curves, draft_len, label)
     assert np.allclose(flat.fit(lambda recent: lambda corrected: 1.0).bias, 0.0, atol=1e-6)  # a tie: no move
+
+
+def test_a_paying_refit_is_served_only_after_a_window_of_later_drafts_confirms_it():
+    """An unconfirmed scope's paying refit starts a trial (not served); the trial is due once its
+    workload has that many later drafts, and only a gain there confirms the scope, which then serves
+    each refit that pays until one does not. A reset forgets trials and confirmations."""
+    sql, code = WORKLOADS.index("sql"), WORKLOADS.index("code_edit")
+    shift = Calibration.identity()
+    cal = Calibrator(CalibrationConfig(confirm=True))
+    scope = ("sql", None)
+    assert cal.admit(scope, shift, pays=False) is False and cal.due(0) == {}  # no trial without a win
+    assert cal.admit(scope, shift, pays=True) is False  # a win: on trial, not served
+    cal.count(np.array([sql] * 60 + [code] * 500), WORKLOADS)
+    assert cal.due(100) == {} and cal.due(60) == {scope: shift}  # only sql drafts count
+    cal.count(np.array([sql] * 40), WORKLOADS)
+    assert cal.due(100) == {scope: shift}
+    cal.settle(scope, gained=False)  # lost on the later window: no trial, not confirmed
+    assert cal.due(0) == {} and cal.admit(scope, shift, pays=True) is False
+    cal.settle(scope, gained=True)
+    assert cal.admit(scope, shift, pays=True) is True  # confirmed: each paying refit is served
+    assert cal.admit(scope, shift, pays=False) is False and cal.admit(scope, shift, pays=True) is False  # ended
+    cal.reset("sql")
+    assert cal.due(0) == {} and cal.admit(scope, shift, pays=True) is False and cal.due(0) == {scope: shift}
+    cal.settle(scope, gained=True)
+    cal.reset()
+    assert cal.admit(scope, shift, pays=True) is False  # a new champion: confirmed again from scratch
+    assert Calibrator(CalibrationConfig(confirm=False)).admit(scope, shift, pays=True) is True

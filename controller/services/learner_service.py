@@ -20,10 +20,10 @@ from sqlalchemy import Engine
 from controller.core.decision import DecisionConfig, effective_rule
 from controller.core.tau_tuner import TauTuner
 from controller.services.lifecycle import BackgroundService
-from predictor.calibration import Calibrator, Recent, Score
+from predictor.calibration import Calibration, Calibrator, Recent, Score
 from predictor.champion import (CHAMPION, load_gate, promote, promote_for_workload, version_kind, workload_alias,
                                workload_champions)
-from predictor.counterfactual import Paths, replay_paths, served_curves_from, wins
+from predictor.counterfactual import Paths, gain, replay_paths, served_curves_from, wins
 from predictor.features import NUM_FEATURES
 from predictor.goodput import model_step_ms
 from predictor.mlp import SURVIVAL_K, GatePredictor
@@ -114,6 +114,7 @@ class LearnerService(BackgroundService):
             self.tuner.observe_cache(batch, self.learner.champion.predict(batch.features))
             counterfactual = self._counterfactual()
             released = self.promoter.hold(batch) if counterfactual else None
+            self.calibrator.count(batch.workload, WORKLOADS)
             refitted = self._calibrate(released) if counterfactual else {}
             result = self.learner.learn_many(batch, released)
             self.stats.updates += result.updates
@@ -211,7 +212,9 @@ class LearnerService(BackgroundService):
     def _calibrate(self, released: Batch) -> dict:
         """Feed the fast calibration the raw curves of the gate serving each released draft's
         workload (drafts out of the held-back window, like the challenger's); each scope refitted,
-        with its counterfactual gain on the window it has not seen (served only if it pays)."""
+        with its counterfactual gain on the window it has not seen and whether it is served (it pays,
+        and its scope is confirmed: Calibrator.admit); and each trial whose window is now all later
+        drafts, served from here on if its correction still gained there."""
         curves = np.zeros((len(released.label), SURVIVAL_K), dtype=np.float32)
         for w in np.unique(released.workload).tolist():
             sel = released.workload == w
@@ -220,25 +223,42 @@ class LearnerService(BackgroundService):
                                           released.tenant, WORKLOADS, released.decided, released.request,
                                           released.position, self._score)
         judged = {}
-        for (workload, tenant), calibration in changed.items():
-            w = WORKLOADS.index(workload)
-            window = self.promoter.drafts(w)
-            if tenant is not None:
-                window = window.take(window.tenant == tenant)
-            if len(window.label) < MIN_JUDGED:
-                continue
-            raw = self._serving(workload)[1].survival(window.features)
-            model = self.tuner.model.curves(np.array([w]))
-            corrected = served_curves_from(raw, window.draft_len, calibration)
-            for batch in CALIBRATION_JUDGES:
-                pays, verdict = wins(replay_drafts(corrected, window, model, self.decision.cost, batch),
-                                     replay_drafts(raw, window, model, self.decision.cost, batch),
-                                     self.config.calibration.margin)
-                if not pays:
-                    break
-            judged[(workload, tenant)] = (calibration, pays, verdict)
+        for scope, calibration in changed.items():
+            outcome = self._judge_calibration(scope, calibration)
+            if outcome is not None:
+                judged[scope] = (calibration, self.calibrator.admit(scope, calibration, outcome[0]), outcome[1])
         self.stats.calibrations += len(judged)
+        for scope, calibration in self.calibrator.due(self.config.counterfactual.holdout).items():
+            outcome = self._judge_calibration(scope, calibration, later=True)
+            if outcome is not None:
+                self.calibrator.settle(scope, outcome[0])
+                if outcome[0]:
+                    judged[scope] = (calibration, True, outcome[1])
         return judged
+
+    def _judge_calibration(self, scope: tuple[str, str | None], calibration: Calibration,
+                           later: bool = False) -> tuple[bool, float] | None:
+        """Whether `calibration` pays on its scope's held-back window (by the margin, clearly, under
+        every one of CALIBRATION_JUDGES), or with `later` (a trial on drafts it was not chosen on)
+        still gains there at all; and the gain. None: too few drafts to judge yet."""
+        workload, tenant = scope
+        w = WORKLOADS.index(workload)
+        window = self.promoter.drafts(w)
+        if tenant is not None:
+            window = window.take(window.tenant == tenant)
+        if len(window.label) < MIN_JUDGED:
+            return None
+        raw = self._serving(workload)[1].survival(window.features)
+        model = self.tuner.model.curves(np.array([w]))
+        corrected = served_curves_from(raw, window.draft_len, calibration)
+        for batch in CALIBRATION_JUDGES:
+            candidate, incumbent = (replay_drafts(curves, window, model, self.decision.cost, batch)
+                                    for curves in (corrected, raw))
+            pays, verdict = ((gain(candidate, incumbent) >= 0.0, gain(candidate, incumbent)) if later
+                             else wins(candidate, incumbent, self.config.calibration.margin))
+            if not pays:
+                break
+        return pays, verdict
 
     def _score(self, workload: str) -> Score:
         """Counterfactual goodput of a workload's drafts along their paths under given curves (the
