@@ -12,13 +12,11 @@ drafts is noise). A winner is not promoted yet: on `confirmations` further windo
 of drafts that came after the last look, it must still gain at least `rollback_margin` (what a
 probation asks). Checked every `check_every` drafts on windows that overlap, a challenger now and
 then wins one by luck; a window it was not chosen on says whether the edge is real, and costs a
-window's delay instead of a window served worse. After a
-promotion the workload is on probation for `probation` windows: each
-time its window holds only drafts served after the last look, the new champion is replayed against
-the one it replaced, the outcomes are added to the earlier windows', and unless it still gains at
-least `rollback_margin` on all of them together (0: it must not lose) the workload moves back. The
-promotion won the best of many checks, so part of its edge was luck; the drafts served since are the
-first look at it that was not chosen, and a loss of half a percent shows only over several windows.
+window's delay instead of a window served worse. After a promotion the workload is on probation for
+`probation` windows: each time its window holds only drafts served after the last look, the new
+champion is replayed against the one it replaced, the outcomes are added to the earlier windows',
+and unless it still gains at least `rollback_margin` on all of them together (0: it must not lose)
+the workload moves back: a loss of half a percent shows only over several windows.
 No challenger is tried on a workload on probation. Both models are compared raw (without the fast
 calibration, which is fitted afresh to whichever champion serves).
 

@@ -254,8 +254,11 @@ class LearnerService(BackgroundService):
         for batch in CALIBRATION_JUDGES:
             candidate, incumbent = (replay_drafts(curves, window, model, self.decision.cost, batch)
                                     for curves in (corrected, raw))
-            pays, verdict = ((gain(candidate, incumbent) >= 0.0, gain(candidate, incumbent)) if later
-                             else wins(candidate, incumbent, self.config.calibration.margin))
+            if later:
+                verdict = gain(candidate, incumbent)
+                pays = verdict >= 0.0
+            else:
+                pays, verdict = wins(candidate, incumbent, self.config.calibration.margin)
             if not pays:
                 break
         return pays, verdict
