@@ -309,7 +309,7 @@ def summarise(source: str, workload: str, modes: dict[str, ModeReport]) -> dict:
 
 
 def _range(report: dict, key: str) -> str:
-    low, high = report.get("spread", {}).get(key, (report[key], report[key]))
+    low, high = report["spread"][key]
     return f"{100 * low:+.1f}..{100 * high:+.1f}"
 
 
@@ -354,7 +354,7 @@ def format_table(reports: list[dict]) -> str:
             f"{100 * r['above_oracle_ms_after_first_window']:+5.1f}% | "
             f"{r['precision_after_first_window']:5.2f} {r['recall_after_first_window']:5.2f} | "
             f"{m['learn']['promotions']:4d} {m['learn']['rollbacks']:3d}")
-    repeats = max(len(r.get("repeats", [r])) for r in reports)
+    repeats = max(len(r["repeats"]) for r in reports)
     lines.append(f"gain: learning on vs off (cycles/1k, then ms/1k; ms range: lowest..highest over {repeats} serving "
                  "seeds); >20k vs oracle: learning on above the binary oracle gate after the first 20k tokens "
                  "(cycles/1k, then ms/1k); P/R@6 of the learning run after the first 20k. Gains, >20k and P/R: "
