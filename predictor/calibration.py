@@ -298,6 +298,9 @@ class Calibrator:
             self._trials[key] = _Trial(calibration)
         return False
 
+    def on_trial(self, key: tuple[str, str | None]) -> bool:
+        return key in self._trials
+
     def count(self, workload: np.ndarray, workloads: tuple[str, ...]) -> None:
         """New labelled drafts arrived (their workload indices): the trials' later traffic."""
         for key, trial in self._trials.items():

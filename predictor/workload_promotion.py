@@ -43,6 +43,10 @@ class Verdict:
     gain: float  # the candidate's goodput over the incumbent's, minus one
     candidate: Goodput
     incumbent: Goodput
+    # what the look was and how it ended: "waiting" (too few later drafts), "lost", "won" (its
+    # confirmations start), "confirmed" (more to go), "refused", "promoted", "kept" (a probation look
+    # passed), "rolled back"
+    outcome: str = "lost"
 
     def to_json(self) -> dict:
         return {"action": self.action, "gain": round(self.gain, 5), "drafts": self.candidate.drafts,
@@ -156,8 +160,8 @@ class WorkloadPromoter:
         win.since_check = 0
         watch = win.watch
         waiting = watch if watch is not None else win.pending
-        if waiting is not None and waiting.fresh < self.policy.holdout:
-            return Verdict(w, "keep", 0.0, Goodput(0, 0, 0), Goodput(0, 0, 0))  # not enough later traffic yet
+        if waiting is not None and waiting.fresh < self.policy.holdout:  # not enough later traffic yet
+            return Verdict(w, "keep", 0.0, Goodput(0, 0, 0), Goodput(0, 0, 0), "waiting")
         if watch is not None:
             promoted, previous = watch.add(self._replay(win, watch.promoted, model_survival, cost),
                                            self._replay(win, watch.previous, model_survival, cost))
@@ -165,17 +169,21 @@ class WorkloadPromoter:
             rollback = kept < self.policy.rollback_margin
             if rollback or watch.windows_left <= 0:
                 win.watch = None
-            verdict = Verdict(w, "rollback" if rollback else "keep", kept, promoted, previous)
+            verdict = Verdict(w, "rollback" if rollback else "keep", kept, promoted, previous,
+                              "rolled back" if rollback else "kept")
         else:
             chal, champ = self._replay(win, challenger, model_survival, cost), self._replay(win, champion, model_survival, cost)
             if win.pending is None:
                 won, g = wins(chal, champ, self.policy.margin)
                 left = self.policy.confirmations if won else None
+                outcome = "won" if won else "lost"
             else:  # a look it was not chosen on: it must still gain what a probation asks
                 g = gain(chal, champ)
                 left = win.pending.left - 1 if g >= self.policy.rollback_margin else None
+                outcome = "refused" if left is None else "confirmed"
             win.pending = _Pending(left) if left else None
-            verdict = Verdict(w, "promote" if left == 0 else "keep", g, chal, champ)
+            verdict = Verdict(w, "promote" if left == 0 else "keep", g, chal, champ,
+                              "promoted" if left == 0 else outcome)
             if verdict.action == "promote":
                 win.watch = _Watch(challenger, champion, max(1, self.policy.probation))
         win.verdicts.append(verdict)

@@ -383,6 +383,16 @@ def alias_events(session: Session) -> list[dict[str, Any]]:
              "to_version": e.to_version_id, "actor": e.actor, "reason": e.reason} for e in session.scalars(stmt)]
 
 
+def learner_checks(session: Session, limit: int = 500) -> list[dict[str, Any]]:
+    """The learner's recorded checks, newest first (storage.learner_checks)."""
+    from storage.learner_checks import list_learner_checks
+
+    return [{"at": c.at, "workload": c.workload, "tenant": c.tenant or "(all)", "subject": c.subject,
+             "outcome": c.outcome, "gain_pct": round(100 * c.gain, 2), "drafts": c.drafts,
+             "version": c.predictor_version_id, "reason": c.reason, "replica": c.replica}
+            for c in list_learner_checks(session, limit)]
+
+
 def calibrations(session: Session) -> list[dict[str, Any]]:
     """The fast survival corrections in force, one row per scope, with a one-number summary: the
     mean bias over positions (> 0: the correction raises the model's acceptance odds)."""

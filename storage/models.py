@@ -217,6 +217,27 @@ class SurvivalCalibration(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, default=utcnow)
 
 
+class LearnerCheck(Base):
+    """A judgement of the online learner that changed (or kept) what serves: a challenger's win
+    awaiting confirmation, its confirmation or refusal, a look during a promotion's probation, a
+    fast calibration put on trial and its outcome. Plain losses are not stored (one per check).
+    Append-only: it says why the learner promoted, rolled back, or did not."""
+
+    __tablename__ = "learner_checks"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, index=True)
+    workload: Mapped[str] = mapped_column(String(MAX_WORKLOAD_LEN), nullable=False)
+    tenant: Mapped[str] = mapped_column(String(MAX_TENANT_LEN), nullable=False)  # "": the whole workload
+    subject: Mapped[str] = mapped_column(String(16), nullable=False)  # storage.learner_checks.SUBJECTS
+    outcome: Mapped[str] = mapped_column(String(16), nullable=False)  # storage.learner_checks.OUTCOMES
+    gain: Mapped[float] = mapped_column(Float, nullable=False)  # counterfactual goodput, candidate over incumbent - 1
+    drafts: Mapped[int] = mapped_column(Integer, nullable=False)  # the window it was judged on
+    predictor_version_id: Mapped[int] = mapped_column(Integer, nullable=False)  # serving the workload then
+    reason: Mapped[str] = mapped_column(Text, nullable=False)
+    replica: Mapped[str] = mapped_column(Text, nullable=False)
+
+
 class TauHistory(Base):
     """Every change of a workload's automatic tau: the goodput-rule value, the learned correction,
     and the live estimates it came from."""

@@ -545,3 +545,22 @@ def test_a_link_naming_an_unknown_tenant_says_so_and_shows_all(known_db):
     assert any("names tenant 'ghost', which this database does not know" in w.value for w in at.sidebar.warning)
     assert at.selectbox(key="tenant").value == "(all tenants)" and at.selectbox(key="workload").value == "chat"
     assert metrics(at)["Tokens generated"] == "100"  # chat: acme's 100 tokens only
+
+
+def test_versions_page_shows_the_learners_checks_newest_first(db):
+    from storage.learner_checks import add_learner_check, list_learner_checks
+
+    engine = make_engine(db)
+    with session_scope(engine) as s:
+        before = len(list_learner_checks(s))
+        for outcome, gain in (("won", 0.0213), ("refused", -0.0041)):
+            add_learner_check(s, at=datetime(2026, 12, 2, 12, tzinfo=timezone.utc), workload="sql", tenant=None,
+                              subject="promotion", outcome=outcome, gain=gain, drafts=3000, predictor_version_id=1,
+                              reason=f"the challenger {outcome}", replica="r1")
+    engine.dispose()
+    at = run(page("versions"))
+    shown = next(d.value for d in at.dataframe if "Outcome" in d.value.columns)
+    assert len(shown) == before + 2
+    assert shown.iloc[0][["Workload", "Tenant", "Subject", "Outcome", "Gain %", "Drafts judged", "Why"]].tolist() == \
+        ["sql", "(all)", "promotion", "refused", -0.41, 3000, "the challenger refused"]
+    assert shown.iloc[1][["Outcome", "Gain %"]].tolist() == ["won", 2.13]

@@ -37,7 +37,7 @@ from storage.versions import (
     verify_blob,
 )
 
-TABLES = {"predictor_versions", "aliases", "alias_events", "decision_events", "tau_overrides", "tau_history",
+TABLES = {"predictor_versions", "aliases", "alias_events", "decision_events", "tau_overrides", "tau_history", "learner_checks",
           "stat_buckets", "drift_events", "leases", "replica_health", "dead_letter_events", "event_receipts", "survival_calibrations"}
 SCHEMA_HASH = "a" * 64
 
@@ -77,7 +77,7 @@ def _new_version(session, blob: bytes = b"weights", **overrides) -> PredictorVer
 def test_upgrade_creates_tables_matching_models(engine: Engine) -> None:
     assert current_revision(engine) is None
     upgrade(engine)
-    assert current_revision(engine) == head_revision() == "0009"
+    assert current_revision(engine) == head_revision() == "0010"
     assert TABLES <= set(inspect(engine).get_table_names())
     with engine.connect() as conn:
         ctx = MigrationContext.configure(conn, opts={"compare_type": True})
@@ -88,7 +88,7 @@ def test_upgrade_creates_tables_matching_models(engine: Engine) -> None:
 def test_upgrade_is_idempotent(engine: Engine) -> None:
     upgrade(engine)
     upgrade(engine)
-    assert current_revision(engine) == "0009"
+    assert current_revision(engine) == "0010"
 
 
 def test_downgrade_one_step_keeps_earlier_data(engine: Engine) -> None:
@@ -141,7 +141,7 @@ def test_upgrade_accepts_url(db_url: str) -> None:
     upgrade(db_url)
     eng = make_engine(db_url)
     try:
-        assert current_revision(eng) == "0009"
+        assert current_revision(eng) == "0010"
     finally:
         eng.dispose()
 
@@ -153,7 +153,7 @@ def test_cli_alembic_ini(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     command.upgrade(Config(str(ini)), "head")
     eng = make_engine(url)
     try:
-        assert current_revision(eng) == "0009"
+        assert current_revision(eng) == "0010"
     finally:
         eng.dispose()
 
@@ -317,3 +317,33 @@ def test_database_url_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert database_url(explicit) == explicit
     assert (tmp_path / "x" / "y").is_dir()
     assert database_url(PG_URL) == PG_URL
+
+
+# --- learner checks ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("subject", "tau", "learner check subject 'tau' is not one of ('promotion', 'calibration')"),
+    ("outcome", "lost", "learner check outcome 'lost' is not one of"),
+    ("workload", "w" * 33, "learner check workload is 33 characters; at most 32"),
+    ("drafts", -1, "learner check drafts must be >= 0, got -1"),
+])
+def test_learner_checks_refuse_what_the_table_cannot_hold_and_keep_what_is_stored(
+        db: Engine, field: str, value: object, message: str) -> None:
+    from datetime import datetime
+
+    from storage.learner_checks import add_learner_check, list_learner_checks
+
+    check = dict(at=datetime(2026, 12, 2, tzinfo=timezone.utc), workload="sql", tenant=None, subject="promotion",
+                 outcome="won", gain=0.0125, drafts=3000, predictor_version_id=1, reason="won", replica="r1")
+    with session_scope(db) as s:
+        add_learner_check(s, **check)
+        add_learner_check(s, **{**check, "subject": "calibration", "outcome": "on trial", "tenant": "acme"})
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        with session_scope(db) as s:
+            add_learner_check(s, **{**check, field: value})
+    with session_scope(db) as s:
+        stored = [(c.subject, c.outcome, c.tenant, c.gain, c.drafts, c.at) for c in list_learner_checks(s)]
+        assert [c.id for c in list_learner_checks(s, limit=1)] == [max(c.id for c in list_learner_checks(s))]
+    assert stored == [("calibration", "on trial", "acme", 0.0125, 3000, check["at"]),
+                      ("promotion", "won", "", 0.0125, 3000, check["at"])]  # newest first; nothing lost

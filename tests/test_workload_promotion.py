@@ -3,6 +3,8 @@ control poller and runtime acting on them through SQL."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -90,13 +92,14 @@ def test_a_win_is_promoted_only_once_a_window_of_later_drafts_confirms_it(label_
                                 len(WORKLOADS))
     promoter.hold(drafts(200, 12))
     first = promoter.judge(SQL, PESSIMIST, OPTIMIST, no_model(1), COST)
-    assert first.action == "keep" and first.gain > 1.0 and promoter.confirming(SQL)
+    assert (first.action, first.outcome) == ("keep", "won") and first.gain > 1.0 and promoter.confirming(SQL)
     promoter.hold(drafts(100, label_after))
     waiting = promoter.judge(SQL, PESSIMIST, OPTIMIST, no_model(1), COST)
-    assert (waiting.action, waiting.gain, waiting.candidate.drafts) == ("keep", 0.0, 0)  # half the window is old
+    assert (waiting.action, waiting.outcome, waiting.gain, waiting.candidate.drafts) == ("keep", "waiting", 0.0, 0)
     promoter.hold(drafts(100, label_after))
     verdict = promoter.judge(SQL, PESSIMIST, OPTIMIST, no_model(1), COST)
-    assert verdict.action == ("promote" if promoted else "keep") and (verdict.gain > 0) == promoted
+    assert (verdict.action, verdict.outcome) == (("promote", "promoted") if promoted else ("keep", "refused"))
+    assert (verdict.gain > 0) == promoted
     assert verdict.candidate.drafts == 200 and not promoter.confirming(SQL)
     assert promoter.watching(SQL) == promoted
     if not promoted:  # the next check is an ordinary one again: a win there waits for its own window
@@ -163,6 +166,7 @@ def test_the_service_promotes_per_workload_calibrates_and_replicas_follow(pessim
     from predictor.online import LearnerConfig
     from storage.calibrations import list_calibrations
     from storage.engine import session_scope
+    from storage.learner_checks import list_learner_checks
     from storage.versions import get_alias_version, list_alias_events, list_versions
 
     engine, tokenizer = pessimist_db
@@ -184,6 +188,31 @@ def test_the_service_promotes_per_workload_calibrates_and_replicas_follow(pessim
         version = {v.id: v for v in list_versions(s)}[service.stats.promotions[0]]
         assert version.parent_id == 1 and set(version.metrics["counterfactual"]) <= set(promoted) | set(WORKLOADS)
         stored = {(c.workload, c.tenant): c.predictor_version_id for c in list_calibrations(s)}
+    with session_scope(engine) as s:
+        checks = [(c.workload, c.subject, c.outcome, c.gain, c.predictor_version_id, c.reason, c.tenant)
+                  for c in reversed(list_learner_checks(s))]
+    follows = {"won": {None, "refused", "promoted", "kept", "rolled back"}, "refused": {"won"}, "promoted": {"won"},
+               "kept": {"promoted", "kept"}, "rolled back": {"promoted", "kept"}}
+    for w, version in promoted.items():  # a promotion is a win confirmed on later drafts, then its probation
+        told = [c for c in checks if c[:2] == (w, "promotion")]
+        outcomes = [c[2] for c in told]
+        assert all(before in follows[now] for before, now in zip([None] + outcomes, outcomes)), outcomes
+        assert all(g > config.counterfactual.margin for _, _, o, g, *_ in told if o == "won")
+        assert all(g >= 0.0 for _, _, o, g, *_ in told if o in ("promoted", "kept"))
+        assert all(g < 0.0 for _, _, o, g, *_ in told if o in ("refused", "rolled back"))
+        last = max(i for i, o in enumerate(outcomes) if o == "promoted")
+        assert told[last][5].endswith(f"promoted as v{version}") and "rolled back" not in outcomes[last:]
+    trials = [c for c in checks if c[1] == "calibration"]
+    assert trials and trials[0][2] == "on trial" and trials[0][3] > 0
+    assert {c[2] for c in trials} <= {"on trial", "confirmed", "refused"}
+    listed = subprocess.run([sys.executable, "-m", "controller.cli.main", "--db", str(engine.url), "versions", "--log"],
+                            capture_output=True, text=True, timeout=300)
+    assert listed.returncode == 0, listed.stderr
+    log = listed.stdout.split("learner checks")[1].splitlines()[1:]
+    assert len(log) == len(checks)
+    for line, (workload, subject, outcome, g, _, _, tenant) in zip(log, checks):
+        scope = workload + (f"/{tenant}" if tenant else "")
+        assert line.split()[2:5] == [subject, scope, outcome.split()[0]] and f"({100 * g:+.2f}%" in line, line
     runtime = Runtime(PESSIMIST, tokenizer.classes, DecisionConfig(), version_id=1)
     assert ControlPoller(engine, runtime).poll_once()
     assert {w: v for w, (_, v) in runtime.workload_gates.items()} == promoted
@@ -323,11 +352,13 @@ def test_a_promotion_stays_only_if_it_still_wins_on_the_drafts_served_after_it(l
                                 NUM_FEATURES,
                                 len(WORKLOADS))
     promoter.hold(drafts(200, 12))
-    assert promoter.judge(SQL, PESSIMIST, OPTIMIST, no_model(1), COST).action == "promote"
+    first = promoter.judge(SQL, PESSIMIST, OPTIMIST, no_model(1), COST)
+    assert (first.action, first.outcome) == ("promote", "promoted")  # no confirmation asked
     assert promoter.watching(SQL)
     promoter.hold(drafts(200, label_after))
     verdict = promoter.judge(SQL, OPTIMIST, OPTIMIST, no_model(1), COST)
-    assert verdict.action == ("keep" if kept else "rollback") and (verdict.gain > 0) == kept
+    assert (verdict.action, verdict.outcome) == (("keep", "kept") if kept else ("rollback", "rolled back"))
+    assert (verdict.gain > 0) == kept
     assert promoter.watching(SQL) == kept  # one more window of probation
     if kept:
         promoter.hold(drafts(200, label_after))

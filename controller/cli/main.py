@@ -131,8 +131,8 @@ def _parser() -> argparse.ArgumentParser:
 
     vs = sub.add_parser("versions", help="list stored predictor versions, their lineage and the promotion log",
                         description="One line per predictor version: id, parent, creation time, metrics, reason; "
-                                    "* marks the champion. --log adds every move of the champion alias.")
-    vs.add_argument("--log", action="store_true", help="also print the champion alias's history")
+                                    "* marks the champion. --log adds every move of the champion alias and the learner's checks.")
+    vs.add_argument("--log", action="store_true", help="also print the champion alias's history and the learner's checks")
     sub.add_parser("migrate", help="bring the database schema up to date (every command does this itself)")
     cli_overrides.add_parser(sub)
     return p
@@ -235,6 +235,7 @@ def _versions(args: argparse.Namespace, engine) -> int:
                   + (f" champion of {', '.join(serves)}" if serves else "")
                   + (f" UNLOADABLE: {cli_overrides.escape(problem)}" if problem else ""))
         if args.log:
+            from storage.learner_checks import list_learner_checks
             from storage.versions import list_alias_events
 
             print("champion alias history (champion/<workload>: that workload's own champion):")
@@ -242,6 +243,12 @@ def _versions(args: argparse.Namespace, engine) -> int:
                 if e.alias_name == "champion" or e.alias_name.startswith("champion/"):
                     print(f"  {e.at:%Y-%m-%d %H:%M:%S} {e.alias_name} v{e.from_version_id or '-'} -> v{e.to_version_id} "
                           f"by {e.actor}: {e.reason}")
+            print("learner checks (wins awaiting confirmation, confirmations, refusals, probation looks, calibration "
+                  "trials):")
+            for c in reversed(list_learner_checks(session)):
+                scope = c.workload + (f"/{c.tenant}" if c.tenant else "")
+                print(f"  {c.at:%Y-%m-%d %H:%M:%S} {c.subject} {scope} {c.outcome} ({100 * c.gain:+.2f}%, "
+                      f"{c.drafts} drafts, serving v{c.predictor_version_id}) by learner@{c.replica}: {c.reason}")
     return 0
 
 

@@ -30,9 +30,10 @@ from predictor.mlp import SURVIVAL_K, GatePredictor
 from predictor.online import Batch, LearnerConfig, OnlineLearner, batch_from_events
 from predictor.promotion import ShadowScore
 from predictor.traces import WORKLOADS
-from predictor.workload_promotion import WorkloadPromoter, replay_drafts
+from predictor.workload_promotion import Verdict, WorkloadPromoter, replay_drafts
 from storage.calibrations import ALL_TENANTS, clear_calibrations, save_calibration
 from storage.engine import session_scope
+from storage.learner_checks import add_learner_check
 from storage.events import count_cache_drafts_since, events_after, last_event_id
 from storage.versions import (add_drift_event, add_tau_history, create_version, get_alias_version,
                               list_alias_events)
@@ -83,6 +84,7 @@ class LearnerService(BackgroundService):
         self.promoter = WorkloadPromoter(self.config.counterfactual, NUM_FEATURES, len(WORKLOADS))
         self.workload_gates: dict[str, tuple[int, GatePredictor]] = {}  # workloads with their own champion
         self._before: dict[str, int] = {}  # a watched promotion's predecessor, per workload
+        self._checks: list[dict] = []  # judgements to record (storage.learner_checks), written with the round's writes
         if start_at_end:
             self._take_over()
 
@@ -120,6 +122,7 @@ class LearnerService(BackgroundService):
             self.stats.updates += result.updates
             self.stats.last_update = now
             with session_scope(self.engine) as s:
+                self._write_checks(s, now)
                 for (workload, tenant), (calibration, pays, verdict) in refitted.items():
                     if pays:  # won by the margin, clearly
                         save_calibration(s, workload=workload, tenant=tenant,
@@ -171,10 +174,13 @@ class LearnerService(BackgroundService):
             np.array([w])), self.decision.cost) for w in due]
         wins = [v for v in verdicts if v.action == "promote"]
         losses = [v for v in verdicts if v.action == "rollback"]
-        if not wins and not losses:
+        told = [v for v in verdicts if v.outcome not in ("lost", "waiting")]
+        if not told:
             return
+        judged = {v.workload: self._serving(WORKLOADS[v.workload])[0] for v in told}  # before any move
         actor = f"learner@{self.replica}"
         with session_scope(self.engine) as s:
+            version = None
             if wins:
                 names = ", ".join(WORKLOADS[v.workload] for v in wins)
                 version = create_version(
@@ -202,6 +208,36 @@ class LearnerService(BackgroundService):
                 _, gate = load_gate(self.engine, back) if back != self.champion_id else (back, self.learner.champion)
                 self._switch(s, name, back, gate)
                 self.stats.rollbacks.append((name, promoted, back))
+            for v in told:
+                self._checks.append(self._promotion_check(v, judged[v.workload],
+                                                          None if version is None else version.id))
+            self._write_checks(s, now)
+
+    def _promotion_check(self, v: Verdict, serving: int, promoted_as: int | None) -> dict:
+        """A promotion verdict worth recording (storage.learner_checks), in words; `serving`: the
+        version that served the workload when it was judged."""
+        name, p = WORKLOADS[v.workload], self.config.counterfactual
+        on = f"on the {v.candidate.drafts} newest {name} drafts"
+        reason = {
+            "won": f"the challenger ({self.learner.events_seen} events learned) won by {100 * v.gain:+.2f}% {on}, "
+                   f"held back from its training; it is promoted only if it still gains on a window of later drafts",
+            "confirmed": f"the challenger still gains {100 * v.gain:+.2f}% {on}, all after its win; more windows to go",
+            "refused": f"the challenger gained {100 * v.gain:+.2f}% {on}, all after its win (it needed "
+                       f"{100 * p.rollback_margin:+.2f}%): not promoted",
+            "promoted": f"the challenger still gains {100 * v.gain:+.2f}% {on}, all after its win: promoted"
+                        + (f" as v{promoted_as}" if promoted_as is not None else ""),
+            "kept": f"the promotion still gains {100 * v.gain:+.2f}% over the version it replaced, on the "
+                    f"{v.candidate.drafts} drafts since: kept on probation",
+            "rolled back": f"the promotion lost {100 * -v.gain:.2f}% against the version it replaced, on the "
+                           f"{v.candidate.drafts} drafts since: rolled back",
+        }[v.outcome]
+        return {"workload": name, "tenant": None, "subject": "promotion", "outcome": v.outcome, "gain": v.gain,
+                "drafts": v.candidate.drafts, "predictor_version_id": serving, "reason": reason}
+
+    def _write_checks(self, session, now: datetime) -> None:
+        for check in self._checks:
+            add_learner_check(session, at=now, replica=self.replica, **check)
+        self._checks.clear()
 
     def _switch(self, session, workload: str, version_id: int, gate: GatePredictor) -> None:
         """`workload` is now decided by `version_id`: its corrections were fitted to another model."""
@@ -226,21 +262,39 @@ class LearnerService(BackgroundService):
         for scope, calibration in changed.items():
             outcome = self._judge_calibration(scope, calibration)
             if outcome is not None:
+                tried = self.calibrator.on_trial(scope)
                 judged[scope] = (calibration, self.calibrator.admit(scope, calibration, outcome[0]), outcome[1])
+                if not tried and self.calibrator.on_trial(scope):
+                    self._checks.append(self._calibration_check(scope, "on trial", *outcome[1:]))
         self.stats.calibrations += len(judged)
         for scope, calibration in self.calibrator.due(self.config.counterfactual.holdout).items():
             outcome = self._judge_calibration(scope, calibration, later=True)
             if outcome is not None:
                 self.calibrator.settle(scope, outcome[0])
+                self._checks.append(self._calibration_check(scope, "confirmed" if outcome[0] else "refused",
+                                                            *outcome[1:]))
                 if outcome[0]:
                     judged[scope] = (calibration, True, outcome[1])
         return judged
 
+    def _calibration_check(self, scope: tuple[str, str | None], outcome: str, verdict: float, drafts: int) -> dict:
+        """A calibration trial's start or end worth recording (storage.learner_checks), in words."""
+        workload, tenant = scope
+        on = f"on the {drafts} newest drafts of {workload}" + (f" from tenant {tenant}" if tenant else "")
+        reason = {
+            "on trial": f"a correction gained {100 * verdict:+.2f}% {on}: on trial, not served until it still "
+                        f"gains on a window of later drafts",
+            "confirmed": f"the correction on trial still gains {100 * verdict:+.2f}% {on}, all after its fit: served",
+            "refused": f"the correction on trial gained {100 * verdict:+.2f}% {on}, all after its fit: not served",
+        }[outcome]
+        return {"workload": workload, "tenant": tenant, "subject": "calibration", "outcome": outcome, "gain": verdict,
+                "drafts": drafts, "predictor_version_id": self._serving(workload)[0], "reason": reason}
+
     def _judge_calibration(self, scope: tuple[str, str | None], calibration: Calibration,
-                           later: bool = False) -> tuple[bool, float] | None:
+                           later: bool = False) -> tuple[bool, float, int] | None:
         """Whether `calibration` pays on its scope's held-back window (by the margin, clearly, under
         every one of CALIBRATION_JUDGES), or with `later` (a trial on drafts it was not chosen on)
-        still gains there at all; and the gain. None: too few drafts to judge yet."""
+        still gains there at all; the gain, and the window's drafts. None: too few drafts to judge yet."""
         workload, tenant = scope
         w = WORKLOADS.index(workload)
         window = self.promoter.drafts(w)
@@ -261,7 +315,7 @@ class LearnerService(BackgroundService):
                 pays, verdict = wins(candidate, incumbent, self.config.calibration.margin)
             if not pays:
                 break
-        return pays, verdict
+        return pays, verdict, len(window.label)
 
     def _score(self, workload: str) -> Score:
         """Counterfactual goodput of a workload's drafts along their paths under given curves (the

@@ -108,6 +108,23 @@ st.caption("champion/<workload> is a workload's own champion: the learner promot
            "wins a counterfactual replay of the newest held-back drafts, and rolls back automatically when the next "
            "window shows a regression.")
 
+st.subheader("Learner checks (newest first)")
+with read_session(engine) as s:
+    checks = q.learner_checks(s)
+if checks:
+    st.dataframe(pd.DataFrame(checks).rename(columns={
+        "at": "At (UTC)", "workload": "Workload", "tenant": "Tenant", "subject": "Subject", "outcome": "Outcome",
+        "gain_pct": "Gain %", "drafts": "Drafts judged", "version": "Serving version", "reason": "Why",
+        "replica": "By replica"}), hide_index=True, width="stretch", column_config={"At (UTC)": DATETIME})
+    st.caption("Why the learner did (or did not) change what serves: a challenger that wins a check waits for a "
+               "window of later drafts before it is promoted (won, then promoted or refused); a promotion is "
+               "looked at again on its probation (kept or rolled back); a workload's first paying calibration is "
+               "on trial until a later window confirms or refuses it. Checks the challenger simply lost are not "
+               "recorded.")
+else:
+    st.info("No learner checks yet: the learner records a challenger's win, its confirmation or refusal, probation "
+            "looks and calibration trials as they happen.")
+
 st.subheader("Fast calibrations")
 if fitted:
     st.dataframe(pd.DataFrame(fitted).rename(columns={
