@@ -297,7 +297,8 @@ class LearnerService(BackgroundService):
                            later: bool = False) -> tuple[bool, float, int] | None:
         """Whether `calibration` pays on its scope's held-back window (by the margin, clearly, under
         every one of CALIBRATION_JUDGES), or with `later` (a trial on drafts it was not chosen on)
-        still gains there at all; the gain, and the window's drafts. None: too few drafts to judge yet."""
+        still gains there what a probation asks (the rollback margin, 0: at all); the gain, and the
+        window's drafts. None: too few drafts to judge yet."""
         workload, tenant = scope
         w = WORKLOADS.index(workload)
         window = self.promoter.drafts(w)
@@ -313,7 +314,7 @@ class LearnerService(BackgroundService):
                                     for curves in (corrected, raw))
             if later:
                 verdict = gain(candidate, incumbent)
-                pays = verdict >= 0.0
+                pays = verdict >= self.config.counterfactual.rollback_margin  # what a probation asks
             else:
                 pays, verdict = wins(candidate, incumbent, self.config.calibration.margin)
             if not pays:
