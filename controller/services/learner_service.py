@@ -33,8 +33,8 @@ from predictor.traces import WORKLOADS
 from predictor.workload_promotion import Verdict, WorkloadPromoter, replay_drafts
 from storage.calibrations import ALL_TENANTS, clear_calibrations, save_calibration
 from storage.engine import session_scope
-from storage.learner_checks import add_learner_check
 from storage.events import count_cache_drafts_since, events_after, last_event_id
+from storage.learner_checks import add_learner_check
 from storage.versions import (add_drift_event, add_tau_history, create_version, get_alias_version,
                               list_alias_events)
 
