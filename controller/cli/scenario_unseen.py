@@ -56,9 +56,13 @@ SPREAD = ("learning_gain", "learning_gain_ms", "above_oracle", "above_oracle_aft
           "ceiling_gain", "ceiling_gain_ms")
 MODES = ("learn", "static", "oracle")  # learning on, learning off, the binary oracle gate
 # Served like "static" but from a gate that was trained with S in (S's drafts, repeated to as many
-# as the others' sample, beside that sample): not deployable, it has seen the stream it serves. It
-# bounds what learning S can win: a learner that had fully learned S would serve about like this.
+# as the others' sample, beside that sample): not deployable, it has seen S's traffic. It bounds
+# what learning S can win: a learner that had fully learned S would serve about like this. Its
+# drafts of S come from all of S ("all": the served stream included) or only from S's sessions
+# outside the stream ("elsewhere": what learning S's other traffic buys, no memory of the stream;
+# sources whose stream is all of them have none).
 INFORMED = "informed"
+INFORMED_FROM = ("all", "elsewhere")
 CALIBRATION_BINS = (0.0, 1.0, 2.0, 4.0, 8.0, np.inf)
 
 
@@ -135,37 +139,49 @@ def calibration_gap(predicted: np.ndarray, label: np.ndarray) -> float:
 
 
 def training_rows(data: Dataset, source: str, seed: int, max_drafts: int = TRAIN_DRAFTS,
-                  informed: bool = False) -> np.ndarray:
+                  informed: str | None = None, max_tokens: int | None = MAX_TOKENS) -> np.ndarray:
     """The replay rows a warm start without `source` learns from: a seeded uniform sample of at most
-    `max_drafts` of the other sources' drafts; `informed` adds `source`'s drafts, repeated to as
+    `max_drafts` of the other sources' drafts; `informed` (INFORMED_FROM) adds `source`'s drafts
+    (with "elsewhere", only those of sessions outside its stream of `max_tokens`), repeated to as
     many as that sample (all of them once if they are more), so that S is half of what it learns."""
+    if informed is not None and informed not in INFORMED_FROM:
+        raise ValueError(f"informed must be one of {INFORMED_FROM}, got {informed!r}")
     rp = data.replay
     row_source = np.array([r.source for r in data.records])[rp.trace]
     rows = np.flatnonzero((rp.draft_len > 0) & (row_source != source))
     if len(rows) > max_drafts:
         rows = np.sort(np.random.default_rng(seed).choice(rows, max_drafts, replace=False))
-    if not informed:
+    if informed is None:
         return rows
-    own = np.flatnonzero((rp.draft_len > 0) & (row_source == source))
+    mine = (rp.draft_len > 0) & (row_source == source)
+    if informed == "elsewhere":
+        served = {id(r) for r in stream_of(data, source, max_tokens)}
+        mine &= ~np.array([id(r) in served for r in data.records])[rp.trace]
+    own = np.flatnonzero(mine)
     if not len(own):
         return rows
     return np.concatenate([rows, np.tile(own, -(-len(rows) // len(own)))[: max(len(rows), len(own))]])
 
 
 def train_without(data: Dataset, source: str, config: TrainConfig, cache_dir: Path | None,
-                  log: Callable[[str], None], max_drafts: int = TRAIN_DRAFTS, informed: bool = False) -> GatePredictor:
+                  log: Callable[[str], None], max_drafts: int = TRAIN_DRAFTS, informed: str | None = None,
+                  max_tokens: int | None = MAX_TOKENS) -> GatePredictor:
     """The warm-start predictor on every source but `source` (both split sides; at most
     `max_drafts` of their drafts, a seeded uniform sample); with `informed`, the same sample plus
-    as many of `source`'s drafts, repeated (the ceiling, see INFORMED). Cached by the replay key,
-    the source, the sample size and the training config, since training is the slow part."""
-    key = hashlib.sha256(json.dumps([data.key, source, config.to_json(), max_drafts, schema_hash()]).encode()
+    as many of `source`'s drafts, repeated (the ceiling, see INFORMED and training_rows). Cached by
+    the replay key, the source, the sample size and the training config (and for "elsewhere" the
+    stream's length), since training is the slow part."""
+    parts = [data.key, source, config.to_json(), max_drafts, schema_hash()]
+    name = {None: "without", "all": "with", "elsewhere": "elsewhere"}[informed]
+    key = hashlib.sha256(json.dumps(parts + ([max_tokens] if informed == "elsewhere" else [])).encode()
                          ).hexdigest()[:16]
-    path = None if cache_dir is None else cache_dir / f"{'with' if informed else 'without'}-{source}-{key}.hvd"
+    path = None if cache_dir is None else cache_dir / f"{name}-{source}-{key}.hvd"
     if path is not None and path.exists():
         return GatePredictor.from_bytes(path.read_bytes(), expected_schema_hash=schema_hash())
     rp = data.replay
-    rows = training_rows(data, source, config.seed, max_drafts, informed)
-    log(f"  training the {'informed gate with' if informed else 'warm start without'} {source} on {len(rows)} drafts")
+    rows = training_rows(data, source, config.seed, max_drafts, informed, max_tokens)
+    what = {None: "warm start without", "all": "informed gate with", "elsewhere": "informed gate with (outside the stream)"}
+    log(f"  training the {what[informed]} {source} on {len(rows)} drafts")
     gate = GatePredictor.from_torch(train_gate(rp.features[rows], rp.label[rows], rp.row_workload()[rows], config),
                                     schema_hash())
     if path is not None:
@@ -255,7 +271,7 @@ def after_first(windows: list[WindowFigures], attr: str) -> float:
 
 def run_unseen(data: Dataset, source: str, folder: Path, opts: ReplayServeOptions | None = None,
                train: TrainConfig | None = None, window_tokens: int = WINDOW_TOKENS,
-               max_tokens: int | None = MAX_TOKENS, informed: bool = False, repeats: int = 1,
+               max_tokens: int | None = MAX_TOKENS, informed: str | None = None, repeats: int = 1,
                log: Callable[[str], None] = print) -> dict:
     """Leave `source` out of the warm start, serve its stream three ways (four with `informed`: the
     ceiling for learning), `repeats` times with serving seeds opts.seed, opts.seed + 1, ...; the
@@ -271,8 +287,9 @@ def run_unseen(data: Dataset, source: str, folder: Path, opts: ReplayServeOption
     gate = train_without(data, source, train, folder / "gates", log)
     stream = stream_of(data, source, max_tokens)
     gates = {m: gate for m in MODES}
-    if informed:
-        gates[INFORMED] = train_without(data, source, train, folder / "gates", log, informed=True)
+    if informed is not None:
+        gates[INFORMED] = train_without(data, source, train, folder / "gates", log, informed=informed,
+                                        max_tokens=max_tokens)
     runs = []
     for r in range(repeats):
         seed = opts.seed + r
@@ -281,7 +298,7 @@ def run_unseen(data: Dataset, source: str, folder: Path, opts: ReplayServeOption
         where.mkdir(parents=True, exist_ok=True)
         modes = {m: serve_mode(m, g, stream, where, run_opts, window_tokens, log) for m, g in gates.items()}
         runs.append({**summarise(source, stream[0].workload, modes), "seed": seed})
-    return combine(runs)
+    return {**combine(runs), **({"informed_from": informed} if informed is not None else {})}
 
 
 def combine(runs: list[dict]) -> dict:
@@ -380,7 +397,8 @@ def format_table(reports: list[dict]) -> str:
                  "won: challengers that won a check, ref: wins a later window refused, prom / rb: promotions and "
                  "rollbacks; trials / ok: calibrations put on trial, and confirmed")
     if all("ceiling_gain" in r for r in reports):
-        lines.append("ceiling (served from a gate trained with the source in, vs learning off): " + ", ".join(
+        elsewhere = " (its sessions outside the stream only)" if reports[0]["informed_from"] == "elsewhere" else ""
+        lines.append(f"ceiling (served from a gate trained with the source in{elsewhere}, vs learning off): " + ", ".join(
             f"{r['source']} {100 * r['ceiling_gain']:+.1f}% cycles {100 * r['ceiling_gain_ms']:+.1f}% ms" for r in reports))
     for what, met, detail in checks(reports):
         lines.append(f"  [{'met' if met else 'MISSED'}] {what}: {detail}")
