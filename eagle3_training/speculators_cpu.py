@@ -3,7 +3,9 @@
 The trainer assumes one in four places; each is redirected to the CPU here, then its own `main`
 runs unchanged. CPU-safe flags are added unless given: SDPA draft attention (FlexAttention has no
 CPU backward), the eager loss (fused losses are Triton kernels), no dataloader workers, and `raise`
-on a missing hidden-state file (the default would call a vLLM server).
+on a missing hidden-state file (the default would call a vLLM server). Two of its CPU hot spots run
+in cheaper exact forms (eagle3_training.document_attention, eagle3_training.cpu_kernels;
+HVD_EAGLE3_PLAIN_KERNELS=1 keeps the trainer's own).
 
     python -m eagle3_training.speculators_cpu --verifier-name-or-path DIR --data-path DATA --save-path OUT ...
 """
@@ -12,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+
+from eagle3_training import cpu_kernels, document_attention
 
 CPU_DEFAULTS = {
     "--draft-attn-impl": ["sdpa"],
@@ -60,6 +64,9 @@ def patch_for_cpu() -> None:
 
     dataloader.DataLoader = loader
     record_every_validation(trainer.Trainer)
+    if os.environ.get("HVD_EAGLE3_PLAIN_KERNELS") != "1":  # the trainer's own kernels, for comparison
+        document_attention.install()
+        cpu_kernels.install()
 
 
 def record_every_validation(trainer_class) -> None:
