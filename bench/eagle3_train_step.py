@@ -29,16 +29,16 @@ SEQ = 2048
 # Rows as `make eagle3` writes them: 128 prompt positions of context and an answer (median answer of
 # the committed answers archive is about 290 tokens); the tail is padding, as the packer leaves it.
 DOCUMENTS = (128 + 212, 128 + 377, 128 + 95, 128 + 302, 128 + 251)
-VARIANTS = {"trainer": "1", "hvd": "0"}  # HVD_EAGLE3_PLAIN_KERNELS
+VARIANTS = {"trainer": True, "hvd": False}  # plain kernels?
 
 
-def _one_process(steps: int) -> dict:
+def _one_process(steps: int, plain_kernels: bool) -> dict:
     """Runs inside a child: builds the head, times `steps` steps after one warm-up step."""
     import torch
 
     from eagle3_training.speculators_cpu import patch_for_cpu, with_cpu_defaults
 
-    patch_for_cpu()
+    patch_for_cpu(plain_kernels=plain_kernels)
     from speculators.losses import resolve_loss_config
     from speculators.model import SpeculatorModel
     from speculators.train.cli import build_draft_model, install_partial_neox_rotary
@@ -105,9 +105,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--plain-kernels", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        print(json.dumps(_one_process(a.steps)))
+        print(json.dumps(_one_process(a.steps, a.plain_kernels)))
         return
     if a.repeats < 1 or a.steps < 1:
         p.error(f"--repeats and --steps must be >= 1, got {a.repeats} and {a.steps}")
@@ -117,9 +118,9 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     for r in range(a.repeats):
         for variant, plain in VARIANTS.items():
-            out = subprocess.run([sys.executable, __file__, "--child", "--steps", str(a.steps)], check=True,
-                                 capture_output=True, text=True, cwd=REPO_ROOT,
-                                 env={**env, "HVD_EAGLE3_PLAIN_KERNELS": plain})
+            out = subprocess.run([sys.executable, __file__, "--child", "--steps", str(a.steps)]
+                                 + (["--plain-kernels"] if plain else []), check=True,
+                                 capture_output=True, text=True, cwd=REPO_ROOT, env=env)
             runs[variant].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"round {r + 1} {variant}: {[round(s, 2) for s in runs[variant][-1]['seconds']]} s/step", flush=True)
     pairs = attention_pairs()

