@@ -3,9 +3,10 @@
 The trainer assumes one in four places; each is redirected to the CPU here, then its own `main`
 runs unchanged. CPU-safe flags are added unless given: SDPA draft attention (FlexAttention has no
 CPU backward), the eager loss (fused losses are Triton kernels), no dataloader workers, and `raise`
-on a missing hidden-state file (the default would call a vLLM server). Two of its CPU hot spots run
-in cheaper exact forms (eagle3_training.document_attention, eagle3_training.cpu_kernels;
-`--plain-kernels`, taken off before the trainer parses its arguments, keeps the trainer's own).
+on a missing hidden-state file (the default would call a vLLM server). Three of its CPU hot spots
+(attention, argmax, the KL loss) run in cheaper exact forms (eagle3_training.document_attention,
+eagle3_training.cpu_kernels); `--plain-kernels`, taken off before the trainer parses its arguments,
+keeps the trainer's own.
 
     python -m eagle3_training.speculators_cpu [--plain-kernels] --verifier-name-or-path DIR --data-path DATA ...
 """
@@ -14,8 +15,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-
-from eagle3_training import cpu_kernels, document_attention
 
 PLAIN_KERNELS = "--plain-kernels"  # ours: the trainer's own attention, argmax and loss
 
@@ -67,6 +66,8 @@ def patch_for_cpu(plain_kernels: bool = False) -> None:
     dataloader.DataLoader = loader
     record_every_validation(trainer.Trainer)
     if not plain_kernels:
+        from eagle3_training import cpu_kernels, document_attention
+
         document_attention.install()
         cpu_kernels.install()
 
