@@ -40,18 +40,6 @@ class DocumentMask:
     def extended(self) -> DocumentMask:
         return replace(self, blocks=self.blocks + 1)
 
-    def dense(self) -> torch.Tensor:
-        """The trainer's own boolean mask [1, 1, S, blocks x S] (for checking against it)."""
-        s = self.length
-        q = torch.arange(s).unsqueeze(1)
-        k = torch.arange(self.blocks * s).unsqueeze(0)
-        doc = torch.full((s,), -1, dtype=torch.long)
-        for i, (a, b, real) in enumerate(self.runs):
-            if real:
-                doc[a:b] = i
-        same = (doc[q] != -1) & (doc[q] == doc[k % s])
-        return ((q >= k) & same | (k % s == q)).unsqueeze(0).unsqueeze(0)
-
 
 def _run_mask(length: int, blocks: int, device: torch.device) -> torch.Tensor:
     eye = torch.eye(length, dtype=torch.bool, device=device)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 PLAIN_KERNELS = "--plain-kernels"  # ours: the trainer's own attention, argmax and loss
 
@@ -70,6 +71,32 @@ def patch_for_cpu(plain_kernels: bool = False) -> None:
 
         document_attention.install()
         cpu_kernels.install()
+
+
+def build_head(verifier: Path, draft_vocab: int, seq_len: int, hidden_states_dtype: str = "float32",
+               seed: int = 0):
+    """The EAGLE3 head `speculators train` would build for `verifier` (aux layers 2, 15, 27, one full
+    attention layer), with the identity draft vocabulary (the first `draft_vocab` ids): the same model
+    for timing its step and for checking kernels against the trainer's, without training data."""
+    import argparse
+
+    import torch
+    from speculators.model import SpeculatorModel
+    from speculators.train.cli import build_draft_model, install_partial_neox_rotary
+    from speculators.train.config import TrainConfig
+    from transformers import AutoConfig
+
+    argv = with_cpu_defaults(["--verifier-name-or-path", str(verifier), "--data-path", "/nonexistent",
+                              "--save-path", "/nonexistent", "--target-layer-ids", "2", "15", "27",
+                              "--draft-vocab-size", str(draft_vocab), "--total-seq-len", str(seq_len),
+                              "--full-attention-indices", "0", "--hidden-states-dtype", hidden_states_dtype])
+    args = argparse.Namespace(**TrainConfig.resolve(argv).flatten())
+    install_partial_neox_rotary()  # as the trainer does; full-rotation heads are unchanged by it
+    t2d = torch.zeros(AutoConfig.from_pretrained(str(verifier)).vocab_size, dtype=torch.bool)
+    t2d[:draft_vocab] = True
+    torch.manual_seed(seed)
+    return build_draft_model(args, SpeculatorModel.registry["eagle3"], t2d,
+                             torch.zeros(draft_vocab, dtype=torch.long), draft_vocab)
 
 
 def record_every_validation(trainer_class) -> None:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
+import eagle3_train_step  # noqa: E402
 import eagle_overhead  # noqa: E402
 import measure  # noqa: E402
 import vllm_methods  # noqa: E402
@@ -197,3 +198,12 @@ def test_baseline_server_is_the_same_server_without_the_plugin(monkeypatch):
     assert suffix[-1] == '{"method": "suffix", "num_speculative_tokens": 16}'
     with pytest.raises(ValueError, match="baselines"):
         vllm_methods.server_command("hvd-binary", 8123, False, "sqlite:///x.db")
+
+
+@pytest.mark.parametrize(("flags", "native"), [("fpu avx2 fma", False), ("avx2 avx512f avx512_bf16", True),
+                                               ("avx2 amx_bf16 amx_tile", True), ("avx512f avx512bw", False)])
+def test_training_step_bench_uses_bf16_only_where_the_cpu_has_it(tmp_path, flags, native):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    assert eagle3_train_step.native_bf16(cpuinfo) is native
+    assert eagle3_train_step.native_bf16(tmp_path / "missing") is False
