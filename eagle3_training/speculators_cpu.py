@@ -74,10 +74,11 @@ def patch_for_cpu(plain_kernels: bool = False) -> None:
 
 
 def build_head(verifier: Path, draft_vocab: int, seq_len: int, hidden_states_dtype: str = "float32",
-               seed: int = 0):
+               seed: int = 0, t2d=None, d2t=None):
     """The EAGLE3 head `speculators train` would build for `verifier` (aux layers 2, 15, 27, one full
-    attention layer), with the identity draft vocabulary (the first `draft_vocab` ids): the same model
-    for timing its step and for checking kernels against the trainer's, without training data."""
+    attention layer), without training data: for timing its step, checking kernels against the
+    trainer's, and running an exported head in torch (pass its `t2d`/`d2t`; by default the draft
+    vocabulary is the first `draft_vocab` ids)."""
     import argparse
 
     import torch
@@ -92,11 +93,12 @@ def build_head(verifier: Path, draft_vocab: int, seq_len: int, hidden_states_dty
                               "--full-attention-indices", "0", "--hidden-states-dtype", hidden_states_dtype])
     args = argparse.Namespace(**TrainConfig.resolve(argv).flatten())
     install_partial_neox_rotary()  # as the trainer does; full-rotation heads are unchanged by it
-    t2d = torch.zeros(AutoConfig.from_pretrained(str(verifier)).vocab_size, dtype=torch.bool)
-    t2d[:draft_vocab] = True
+    if t2d is None:
+        t2d = torch.zeros(AutoConfig.from_pretrained(str(verifier)).vocab_size, dtype=torch.bool)
+        t2d[:draft_vocab] = True
+        d2t = torch.zeros(draft_vocab, dtype=torch.long)
     torch.manual_seed(seed)
-    return build_draft_model(args, SpeculatorModel.registry["eagle3"], t2d,
-                             torch.zeros(draft_vocab, dtype=torch.long), draft_vocab)
+    return build_draft_model(args, SpeculatorModel.registry["eagle3"], t2d, d2t, draft_vocab)
 
 
 def record_every_validation(trainer_class) -> None:
