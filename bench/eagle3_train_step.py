@@ -2,9 +2,9 @@
 exact ones (eagle3_training.document_attention, eagle3_training.cpu_kernels), side by side.
 
 The real head for the bundled SmolLM2 (speculators' own model builder, 8,192-token draft vocabulary,
-three test-time-training steps, AdamW; bf16 autocast where the CPU has bf16 arithmetic, as
-`make eagle3` trains, fp32 elsewhere: emulated bf16 took 349 s a step on an AVX2 machine) on one packed 2048-token row of synthetic
-hidden states, its documents as long as the training rows (the last 128 prompt positions and an
+three test-time-training steps, AdamW; bf16 autocast where the CPU has bf16 arithmetic, as `make
+eagle3` trains, fp32 elsewhere: emulated bf16 took 349 s a step on an AVX2 machine) on one packed
+2048-token row of synthetic hidden states, its documents as long as the training rows (the last 128 prompt positions and an
 answer; the sizes are fixed below so every run packs alike). Each variant runs in its own process
 (the swap is process-wide), the two alternating for --repeats rounds; each round times --steps steps
 after a warm-up step. Prints medians and ranges, and the exact work per step (tokens, documents,

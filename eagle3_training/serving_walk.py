@@ -12,6 +12,7 @@ draft that vLLM counts. Both figures come from one teacher-forced pass of the he
 """
 from __future__ import annotations
 
+import json
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -116,6 +117,11 @@ def head_chains(head: Path, samples: Sequence[Sample], target: Path, context_tok
     from eagle3_training.hidden_states import HiddenStateReader, training_row
     from eagle3_training.speculators_cpu import build_head
 
+    from eagle3_training.hidden_states import DEFAULT_LAYERS
+
+    layers = json.loads((head / "config.json").read_text()).get("eagle_aux_hidden_state_layer_ids")
+    if layers != list(DEFAULT_LAYERS):
+        raise ValueError(f"{head} reads the target's layers {layers}; this check builds heads on {list(DEFAULT_LAYERS)}")
     tensors = load_file(str(head / "model.safetensors"))
     d2t = tensors["d2t"].long()
     model = build_head(target, len(d2t), 2048, t2d=tensors["t2d"].bool(), d2t=d2t)
@@ -155,8 +161,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None, help="cut each answer to N tokens")
     p.add_argument("--draft-len", type=int, default=ve.MODEL_DRAFT_LEN)
     a = p.parse_args(argv)
-    if not (a.head / "model.safetensors").is_file():
-        p.error(f"{a.head} holds no exported head (model.safetensors missing)")
+    for needed in ("model.safetensors", "config.json"):
+        if not (a.head / needed).is_file():
+            p.error(f"{a.head} holds no exported head ({needed} missing)")
     if (a.rows is not None and a.rows < 1) or (a.max_new_tokens is not None and a.max_new_tokens < 1):
         p.error("--rows and --max-new-tokens must be >= 1")
     tallies: dict[str, Tally] = {}

@@ -128,3 +128,13 @@ def test_the_average_is_the_trainers_own_figure_on_held_out_answers():
     # token) and it counts starts a little differently at a row's end: close, not equal.
     assert tally.average == pytest.approx(trainer, abs=0.03)
     assert tally.served.sum() < tally.average.sum()
+
+
+def test_a_head_on_other_target_layers_is_refused_by_name(tmp_path):
+    import json
+
+    from eagle3_training.serving_walk import head_chains
+
+    (tmp_path / "config.json").write_text(json.dumps({"eagle_aux_hidden_state_layer_ids": [1, 10, 20]}))
+    with pytest.raises(ValueError, match=r"layers \[1, 10, 20\]"):
+        next(head_chains(tmp_path, [], tmp_path))
