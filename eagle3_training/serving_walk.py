@@ -37,10 +37,9 @@ def chains(predicted: Sequence[np.ndarray], tokens: np.ndarray) -> np.ndarray:
 
 
 def right_at_every_start(chain: np.ndarray, first: int) -> np.ndarray:
-    """How many drafts had their first i tokens right, i = 1..k, if one started at every row from
-    `first` on (over the count of those rows: the trainer's held-out figure)."""
-    rows = chain[:, first : chain.shape[1] - 2]
-    return rows.sum(axis=1).astype(np.float64) if rows.size else np.zeros(chain.shape[0])
+    """Per i = 1..k, how many rows from `first` on would have a draft started there right in its
+    first i tokens; over the number of those rows, it is the trainer's held-out figure."""
+    return chain[:, first : chain.shape[1] - 2].sum(axis=1).astype(np.float64)
 
 
 def walk(chain: np.ndarray, first: int) -> tuple[int, np.ndarray]:
