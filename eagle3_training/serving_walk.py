@@ -106,37 +106,50 @@ def held_out_samples(rows: int | None = None, max_new_tokens: int | None = None)
     return [Sample(s.trace_id, s.workload, s.prompt_ids, s.output_ids[:max_new_tokens]) for s in samples]
 
 
-def head_chains(head: Path, samples: Sequence[Sample], target: Path, context_tokens: int = 128,
-                draft_len: int = 3) -> Iterator[tuple[str, np.ndarray, int]]:
-    """(workload, chain, first answer row) per sample: the exported head (fp32) over the fp32
-    target's hidden states, as the trainer packs a row (the last `context_tokens` prompt positions)."""
-    import torch
+def load_head(head: Path, target: Path):
+    """An exported head (vLLM's layout) as the trainer's torch model, fp32, for `target`."""
     from safetensors.torch import load_file
 
-    from eagle3_training.hidden_states import HiddenStateReader, training_row
-    from eagle3_training.speculators_cpu import build_head
-
     from eagle3_training.hidden_states import DEFAULT_LAYERS
+    from eagle3_training.speculators_cpu import build_head
 
     layers = json.loads((head / "config.json").read_text()).get("eagle_aux_hidden_state_layer_ids")
     if layers != list(DEFAULT_LAYERS):
         raise ValueError(f"{head} reads the target's layers {layers}; this check builds heads on {list(DEFAULT_LAYERS)}")
     tensors = load_file(str(head / "model.safetensors"))
-    d2t = tensors["d2t"].long()
-    model = build_head(target, len(d2t), 2048, t2d=tensors["t2d"].bool(), d2t=d2t)
+    model = build_head(target, len(tensors["d2t"]), 2048, t2d=tensors["t2d"].bool(), d2t=tensors["d2t"].long())
     model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
-    model.eval()
+    return model.eval()
+
+
+def row_inputs(hidden_states, kept: Sequence[int]) -> dict:
+    """One row as the trainer feeds it (speculators' shift_batch): [n, 4, hidden] states of the kept
+    tokens -> the head's inputs, row r being token r + 1 with the aux states at r."""
+    import torch
+
+    n = len(kept)
+    return {"hidden_states": hidden_states[:-1, :3].reshape(1, n - 1, -1), "input_ids": torch.tensor([list(kept[1:])]),
+            "document_ids": torch.zeros(1, n - 1, dtype=torch.long), "position_ids": torch.arange(1, n).unsqueeze(0)}
+
+
+def head_chains(head: Path, samples: Sequence[Sample], target: Path, context_tokens: int = 128,
+                draft_len: int = 3) -> Iterator[tuple[str, np.ndarray, int]]:
+    """(workload, chain, first answer row) per sample: the exported head (fp32) over the fp32
+    target's hidden states, as the trainer packs a row (the last `context_tokens` prompt positions)."""
+    import torch
+
+    from eagle3_training.hidden_states import HiddenStateReader, training_row
+
+    model = load_head(head, target)
+    d2t = model.d2t.long()  # loaded with the head
     reader = HiddenStateReader(target, dtype=torch.float32)
     for s in samples:
         kept, _, keep_from = training_row(s, context_tokens)
         hs = reader(list(s.prompt_ids) + list(s.output_ids))[keep_from:]
-        n = len(kept)
         with torch.no_grad():
-            drafts = model(hidden_states=hs[:-1, :3].reshape(1, n - 1, -1), input_ids=torch.tensor([kept[1:]]),
-                           document_ids=torch.zeros(1, n - 1, dtype=torch.long),
-                           position_ids=torch.arange(1, n).unsqueeze(0), ttt_steps=draft_len)
+            drafts = model(**row_inputs(hs, kept), ttt_steps=draft_len)
         predicted = [(d[0] + d2t[d[0]]).numpy() for d in drafts]  # draft ids -> target ids
-        yield s.workload, chains(predicted, np.array(kept)), n - len(s.output_ids) - 2
+        yield s.workload, chains(predicted, np.array(kept)), len(kept) - len(s.output_ids) - 2
 
 
 def report(tallies: dict[str, Tally]) -> str:
@@ -170,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
                                               draft_len=a.draft_len):
         for name in (workload, "all"):
             tallies.setdefault(name, Tally()).add(chain, first)
-    tallies["all"] = tallies.pop("all")
+    tallies["all"] = tallies.pop("all")  # printed last
     print(f"{a.head}: fp32, k = {a.draft_len}, teacher-forced over the held-out answers; 'average' is the "
           "trainer's figure (every start), 'served' the accepted tokens per draft serving makes")
     print(report(tallies))

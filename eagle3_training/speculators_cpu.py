@@ -75,8 +75,8 @@ def patch_for_cpu(plain_kernels: bool = False) -> None:
 
 def build_head(verifier: Path, draft_vocab: int, seq_len: int, hidden_states_dtype: str = "float32",
                seed: int = 0, t2d=None, d2t=None):
-    """The EAGLE3 head `speculators train` would build for `verifier` (aux layers 2, 15, 27, one full
-    attention layer), without training data: for timing its step, checking kernels against the
+    """The EAGLE3 head `speculators train` would build for `verifier` (the aux layers vLLM feeds it by
+    default, one full attention layer), without training data: for timing its step, checking kernels against the
     trainer's, and running an exported head in torch (pass its `t2d`/`d2t`; by default the draft
     vocabulary is the first `draft_vocab` ids)."""
     import argparse
@@ -87,8 +87,10 @@ def build_head(verifier: Path, draft_vocab: int, seq_len: int, hidden_states_dty
     from speculators.train.config import TrainConfig
     from transformers import AutoConfig
 
+    from eagle3_training.hidden_states import DEFAULT_LAYERS
+
     argv = with_cpu_defaults(["--verifier-name-or-path", str(verifier), "--data-path", "/nonexistent",
-                              "--save-path", "/nonexistent", "--target-layer-ids", "2", "15", "27",
+                              "--save-path", "/nonexistent", "--target-layer-ids", *map(str, DEFAULT_LAYERS),
                               "--draft-vocab-size", str(draft_vocab), "--total-seq-len", str(seq_len),
                               "--full-attention-indices", "0", "--hidden-states-dtype", hidden_states_dtype])
     args = argparse.Namespace(**TrainConfig.resolve(argv).flatten())

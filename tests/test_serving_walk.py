@@ -89,33 +89,25 @@ def test_the_average_is_the_trainers_own_figure_on_held_out_answers():
     """The committed head on three held-out answers: the trainer's held-out full_acc (its own loss
     pass, targets from the verifier's hidden states) against the average over the same rows here."""
     import torch
-    from safetensors.torch import load_file
     from speculators.losses import resolve_loss_config
 
     from controller.engines import vllm_engine as ve
     from eagle3_training.hidden_states import HiddenStateReader, training_row
-    from eagle3_training.serving_walk import head_chains, held_out_samples
-    from eagle3_training.speculators_cpu import build_head
+    from eagle3_training.serving_walk import head_chains, held_out_samples, load_head, row_inputs
 
     samples = held_out_samples(rows=3, max_new_tokens=96)
     assert len(samples) == 3 and all(0 < len(s.output_ids) <= 96 for s in samples)
     tally = Tally()
     for _, chain, first in head_chains(ve.EAGLE_HEAD, samples, ve.MODEL_FP32):
         tally.add(chain, first)
-    tensors = load_file(str(ve.EAGLE_HEAD / "model.safetensors"))
-    model = build_head(ve.MODEL_FP32, 8192, 2048, t2d=tensors["t2d"].bool(), d2t=tensors["d2t"].long())
-    model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
-    model.eval()
+    model = load_head(ve.EAGLE_HEAD, ve.MODEL_FP32)
     reader = HiddenStateReader(ve.MODEL_FP32, dtype=torch.float32)
     right, total = np.zeros(3), np.zeros(3)
     for s in samples:
         kept, mask, keep_from = training_row(s, 128)
         hs = reader(list(s.prompt_ids) + list(s.output_ids))[keep_from:]
-        n = len(kept)
         with torch.no_grad():
-            _, _, metrics = model(hidden_states=hs[:-1, :3].reshape(1, n - 1, -1), input_ids=torch.tensor([kept[1:]]),
-                                  document_ids=torch.zeros(1, n - 1, dtype=torch.long),
-                                  position_ids=torch.arange(1, n).unsqueeze(0), ttt_steps=3,
+            _, _, metrics = model(**row_inputs(hs, kept), ttt_steps=3,
                                   verifier_last_hidden_states=hs[1:, 3].unsqueeze(0),
                                   loss_mask=torch.tensor([mask[1:]], dtype=torch.bool),
                                   loss_config=resolve_loss_config("kl_div", "eager"))
