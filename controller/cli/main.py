@@ -10,6 +10,9 @@ from controller.cli import overrides as cli_overrides
 from controller.core.decision import BACKOFFS, FALLBACKS, RULES
 from predictor.traces import DEFAULT_MAX_RECORD_BYTES
 
+# `hvd serve --engine replay --oracle` (controller.engines.trace_engine.ORACLES), as the start line names them
+ORACLE_NAMES = {"gate": "the binary oracle gate", "predictor": "a perfect predictor"}
+
 DESCRIPTION = """Hybrid Verified Decoding: a learned gate that decides, per decoding step, whether to verify
 the suffix cache's draft or fall back to a model drafter.
 
@@ -83,8 +86,10 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("--batch-size", type=int, default=8, help="requests decoded together (default 8)")
     rp.add_argument("--tenants", type=int, default=3, help="tenants the sessions are spread over (default 3)")
     rp.add_argument("--no-learn", action="store_true", help="serve without the online learner")
-    rp.add_argument("--oracle", action="store_true",
-                    help="decide with each cache draft's true accepted length (the upper bound; implies --no-learn)")
+    rp.add_argument("--oracle", nargs="?", const="gate", default=None, choices=list(ORACLE_NAMES),
+                    help="decide with each cache draft's true accepted length (implies --no-learn): gate (the "
+                         "default) verifies a whole cache draft iff it beats tau, the binary oracle gate; predictor "
+                         "feeds the allocator the true lengths, the most any predictor could buy")
     rp.add_argument("--synchronous", action="store_true",
                     help="run writers and learner inside the serving loop: deterministic, slower")
     rp.add_argument("--seed", type=int, default=0)
@@ -299,7 +304,7 @@ def _serve_replay(args: argparse.Namespace, engine) -> int:
         records = round_robin_sources(records)[: args.max_requests]
     metrics, endpoint = _serve_metrics(port, args.metrics_address) if port else (None, None)
     print(f"serving {len(records)} requests on the replay engine (batch {args.batch_size}, {args.tenants} tenants, "
-          f"{'the binary oracle gate' if args.oracle else 'learning off' if args.no_learn else 'learning on'}); "
+          f"{ORACLE_NAMES.get(args.oracle) or ('learning off' if args.no_learn else 'learning on')}); "
           "Ctrl-C or SIGTERM stops cleanly")
     opts = ReplayServeOptions(batch_size=args.batch_size, tenants=args.tenants, seed=args.seed,
                               learn=not (args.no_learn or args.oracle), synchronous=args.synchronous,

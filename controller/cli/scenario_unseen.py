@@ -2,10 +2,13 @@
 start never saw, and the benchmark to tune the self-tuning on (every source, never one).
 
 For a bundled source S: the warm-start predictor is trained on every other source (all of their
-sessions; none of S's), then S's sessions are served on the replay engine from that champion three
-ways on the same stream: learning on, learning off, and the binary oracle gate (`--oracle`: whole
-cache drafts verified iff their true accepted length beats the plan's tau). All three runs are
-synchronous and seeded, so the scenario is a deterministic function of the traces and the seed.
+sessions; none of S's), then S's sessions are served on the replay engine from that champion four
+ways on the same stream: learning on, learning off, the binary oracle gate (`--oracle gate`: whole
+cache drafts verified iff their true accepted length beats the plan's tau), and a perfect predictor
+(`--oracle predictor`: the allocator fed every cache draft's true accepted length, the model drafter
+at its live curve). The last bounds what any predictor, learned online or not, could buy over
+learning off: its headroom. All runs are synchronous and seeded, so the scenario is a deterministic
+function of the traces and the seed.
 Reported per window of `window_tokens` of S: cycles/1k and simulated ms/1k (the cost profile),
 the served gate's precision/recall at accepted length >= 6 and its calibration, and the champion
 changes (promotions, rollbacks) in the learning run.
@@ -42,7 +45,7 @@ WINDOW_TOKENS = 20_000
 # full-size trainings on two cores would take hours for little gain in the starting point.
 TRAIN_DRAFTS = 300_000
 # Each source's stream: its first sessions up to this many output tokens (five 20k windows). The
-# three biggest sources hold 300k-800k tokens; serving all of them three ways takes hours here.
+# three biggest sources hold 300k-800k tokens; serving all of them four ways takes hours here.
 MAX_TOKENS = 100_000
 WITHIN = 0.05  # the target: within 5% of the oracle after the first window
 # Each source is served this many times, with serving seeds seed, seed + 1, ... (the model drafter's
@@ -53,8 +56,9 @@ REPEATS = 3
 # Figures that differ between repeats: the report gives their median, and their range over repeats.
 SPREAD = ("learning_gain", "learning_gain_ms", "above_oracle", "above_oracle_after_first_window",
           "above_oracle_ms_after_first_window", "precision_after_first_window", "recall_after_first_window",
-          "ceiling_gain", "ceiling_gain_ms")
-MODES = ("learn", "static", "oracle")  # learning on, learning off, the binary oracle gate
+          "ceiling_gain", "ceiling_gain_ms", "headroom", "headroom_ms")
+MODES = ("learn", "static", "oracle", "perfect")  # learning on, learning off, the binary oracle gate, a perfect predictor
+ORACLE_OF = {"oracle": "gate", "perfect": "predictor"}  # the replay engine's oracle (trace_engine.ORACLES) per mode
 # Served like "static" but from a gate that was trained with S in (S's drafts, repeated to as many
 # as the others' sample, beside that sample): not deployable, it has seen S's traffic. It bounds
 # what learning S can win: a learner that had fully learned S would serve about like this. Its
@@ -192,11 +196,11 @@ def train_without(data: Dataset, source: str, config: TrainConfig, cache_dir: Pa
 
 def serve_mode(mode: str, gate: GatePredictor, stream: Sequence[TraceRecord], folder: Path, opts: ReplayServeOptions,
                window_tokens: int, log: Callable[[str], None]) -> ModeReport:
-    """One of the three runs on a fresh database; its report per window of the stream's tokens."""
+    """One of the runs on a fresh database; its report per window of the stream's tokens."""
     source, workload = stream[0].source, stream[0].workload
     url = fresh_db(folder / f"unseen-{source}-{mode}.db", gate, f"warm start without {source}", "hvd scenario unseen")
     run_opts = ReplayServeOptions(**{**asdict(opts), "learner": opts.learner, "learn": mode == "learn",
-                                     "oracle": mode == "oracle", "synchronous": True})
+                                     "oracle": ORACLE_OF.get(mode), "synchronous": True})
     points: list[Point] = []
 
     def on_step(run, runtime) -> None:
@@ -273,7 +277,7 @@ def run_unseen(data: Dataset, source: str, folder: Path, opts: ReplayServeOption
                train: TrainConfig | None = None, window_tokens: int = WINDOW_TOKENS,
                max_tokens: int | None = MAX_TOKENS, informed: str | None = None, repeats: int = 1,
                log: Callable[[str], None] = print) -> dict:
-    """Leave `source` out of the warm start, serve its stream three ways (four with `informed`: the
+    """Leave `source` out of the warm start, serve its stream four ways (five with `informed`: the
     ceiling for learning), `repeats` times with serving seeds opts.seed, opts.seed + 1, ...; the
     report as plain data (see `combine`)."""
     if repeats < 1:
@@ -318,7 +322,7 @@ def combine(runs: list[dict]) -> dict:
 
 
 def summarise(source: str, workload: str, modes: dict[str, ModeReport]) -> dict:
-    learn, static, oracle = modes["learn"], modes["static"], modes["oracle"]
+    learn, static, oracle, perfect = modes["learn"], modes["static"], modes["oracle"], modes["perfect"]
     later = {m: after_first(r.windows, "cycles_per_1k") for m, r in modes.items()}
     later_ms = {m: after_first(r.windows, "ms_per_1k") for m, r in modes.items()}
     ceiling = {}
@@ -331,6 +335,9 @@ def summarise(source: str, workload: str, modes: dict[str, ModeReport]) -> dict:
         "modes": {m: asdict(r) for m, r in modes.items()}, **ceiling,
         "learning_gain": round(1.0 - learn.cycles_per_1k / static.cycles_per_1k, 4),
         "learning_gain_ms": round(1.0 - learn.ms_per_1k / static.ms_per_1k, 4),
+        # what a perfect predictor gains over learning off: no learner of the cache drafts can beat it
+        "headroom": round(1.0 - perfect.cycles_per_1k / static.cycles_per_1k, 4),
+        "headroom_ms": round(1.0 - perfect.ms_per_1k / static.ms_per_1k, 4),
         "above_oracle": round(learn.cycles_per_1k / oracle.cycles_per_1k - 1.0, 4),
         "above_oracle_after_first_window": round(later["learn"] / later["oracle"] - 1.0, 4),
         "above_oracle_ms_after_first_window": round(later_ms["learn"] / later_ms["oracle"] - 1.0, 4),
@@ -347,18 +354,22 @@ def _range(report: dict, key: str) -> str:
 def checks(reports: list[dict]) -> list[tuple[str, bool, str]]:
     """The issue's targets over all left-out sources, in cycles/1k (as stated) and in simulated
     ms/1k (what the allocator maximises and users feel): (what, met, the figures). Each figure is
-    its median over the repeats; the gains' ranges are printed beside."""
+    its median over the repeats; the gains' ranges are printed beside, and beside the 3% target the
+    sources where even a perfect predictor reaches it."""
     out = []
-    for unit, gain_key, oracle_key in (("cycles/1k", "learning_gain", "above_oracle_after_first_window"),
-                                       ("ms/1k", "learning_gain_ms", "above_oracle_ms_after_first_window")):
+    for unit, gain_key, room_key, oracle_key in (
+            ("cycles/1k", "learning_gain", "headroom", "above_oracle_after_first_window"),
+            ("ms/1k", "learning_gain_ms", "headroom_ms", "above_oracle_ms_after_first_window")):
         worse = [r["source"] for r in reports if r[gain_key] < 0]
         better = [r["source"] for r in reports if r[gain_key] >= 0.03]
+        room = [r["source"] for r in reports if r[room_key] >= 0.03]
         far = [f"{r['source']} {100 * r[oracle_key]:+.1f}%" for r in reports if r[oracle_key] > WITHIN]
         out += [
             (f"{unit}: learning on never worse than off", not worse, f"worse on: {', '.join(worse) or 'none'}; "
              f"gains {', '.join(f'{100 * r[gain_key]:+.1f}% ({_range(r, gain_key)})' for r in reports)}"),
             (f"{unit}: learning on >= 3% better on at least half the sources", 2 * len(better) >= len(reports),
-             f"{len(better)} of {len(reports)}: {', '.join(better) or 'none'}"),
+             f"{len(better)} of {len(reports)}: {', '.join(better) or 'none'}; a perfect predictor gains >= 3% on "
+             f"{len(room)}: {', '.join(room) or 'none'}"),
             (f"{unit}: within 5% of the binary oracle after the first 20k tokens", not far,
              f"beyond: {', '.join(far) or 'none'}"),
         ]
@@ -371,8 +382,8 @@ def checks(reports: list[dict]) -> list[tuple[str, bool, str]]:
 
 def format_table(reports: list[dict]) -> str:
     head = (f"{'left-out source':32s} {'workload':9s} {'tokens':>7s} | {'cycles/1k learn':>15s} {'static':>7s} "
-            f"{'oracle':>7s} | {'ms/1k learn':>11s} {'static':>8s} {'oracle':>8s} | {'gain':>6s} {'ms':>6s} | "
-            f"{'ms range':>11s} | {'>20k vs oracle':>14s} {'ms':>6s} | {'P@6':>5s} {'R@6':>5s} | {'won':>3s} "
+            f"{'oracle':>7s} | {'ms/1k learn':>11s} {'static':>8s} {'oracle':>8s} {'perfect':>8s} | {'gain':>6s} {'ms':>6s} | "
+            f"{'ms range':>11s} | {'room':>6s} {'ms':>6s} | {'>20k vs oracle':>14s} {'ms':>6s} | {'P@6':>5s} {'R@6':>5s} | {'won':>3s} "
             f"{'ref':>3s} {'prom':>4s} {'rb':>3s} | {'trials':>6s} {'ok':>3s}")
     lines = [head, "-" * len(head)]
     for r in reports:
@@ -381,8 +392,9 @@ def format_table(reports: list[dict]) -> str:
         lines.append(
             f"{r['source']:32s} {r['workload']:9s} {r['tokens']:7d} | {m['learn']['cycles_per_1k']:15.1f} "
             f"{m['static']['cycles_per_1k']:7.1f} {m['oracle']['cycles_per_1k']:7.1f} | {m['learn']['ms_per_1k']:11.1f} "
-            f"{m['static']['ms_per_1k']:8.1f} {m['oracle']['ms_per_1k']:8.1f} | {100 * r['learning_gain']:+5.1f}% "
-            f"{100 * r['learning_gain_ms']:+5.1f}% {_range(r, 'learning_gain_ms'):>11s} | "
+            f"{m['static']['ms_per_1k']:8.1f} {m['oracle']['ms_per_1k']:8.1f} {m['perfect']['ms_per_1k']:8.1f} | "
+            f"{100 * r['learning_gain']:+5.1f}% {100 * r['learning_gain_ms']:+5.1f}% {_range(r, 'learning_gain_ms'):>11s} | "
+            f"{100 * r['headroom']:+5.1f}% {100 * r['headroom_ms']:+5.1f}% | "
             f"{100 * r['above_oracle_after_first_window']:+13.1f}% "
             f"{100 * r['above_oracle_ms_after_first_window']:+5.1f}% | "
             f"{r['precision_after_first_window']:5.2f} {r['recall_after_first_window']:5.2f} | "
@@ -391,7 +403,8 @@ def format_table(reports: list[dict]) -> str:
             f"{told.get('calibration on trial', 0):6d} {told.get('calibration confirmed', 0):3d}")
     repeats = max(len(r["repeats"]) for r in reports)
     lines.append(f"gain: learning on vs off (cycles/1k, then ms/1k; ms range: lowest..highest over {repeats} serving "
-                 "seeds); >20k vs oracle: learning on above the binary oracle gate after the first 20k tokens "
+                 "seeds); perfect: a perfect predictor (the allocator fed the true accepted lengths); room: what it "
+                 "gains over learning off (cycles/1k, then ms/1k), the most any predictor could; >20k vs oracle: learning on above the binary oracle gate after the first 20k tokens "
                  "(cycles/1k, then ms/1k); P/R@6 of the learning run after the first 20k. Gains, >20k and P/R: "
                  "medians over the seeds; cycles, ms and the learner's moves: the run with the median ms gain. "
                  "won: challengers that won a check, ref: wins a later window refused, prom / rb: promotions and "
@@ -408,10 +421,11 @@ def format_table(reports: list[dict]) -> str:
 def format_windows(report: dict) -> str:
     lines = [f"{report['source']} ({report['workload']}), per window of its tokens:",
              f"{'tokens':>8s} | {'cycles/1k learn':>15s} {'static':>7s} {'oracle':>7s} | {'ms/1k learn':>11s} "
-             f"{'static':>8s} {'oracle':>8s} | {'P@6':>5s} {'R@6':>5s} {'calib':>6s} | {'changes':>7s}"]
+             f"{'static':>8s} {'oracle':>8s} {'perfect':>8s} | {'P@6':>5s} {'R@6':>5s} {'calib':>6s} | {'changes':>7s}"]
     m = report["modes"]
-    for wl, ws, wo in zip(m["learn"]["windows"], m["static"]["windows"], m["oracle"]["windows"]):
+    for wl, ws, wo, wp in zip(*(m[mode]["windows"] for mode in MODES)):
         lines.append(f"{wl['tokens_until']:8d} | {wl['cycles_per_1k']:15.1f} {ws['cycles_per_1k']:7.1f} "
-                     f"{wo['cycles_per_1k']:7.1f} | {wl['ms_per_1k']:11.1f} {ws['ms_per_1k']:8.1f} {wo['ms_per_1k']:8.1f} | "
+                     f"{wo['cycles_per_1k']:7.1f} | {wl['ms_per_1k']:11.1f} {ws['ms_per_1k']:8.1f} {wo['ms_per_1k']:8.1f} "
+                     f"{wp['ms_per_1k']:8.1f} | "
                      f"{wl['precision']:5.2f} {wl['recall']:5.2f} {wl['calibration_gap']:6.2f} | {wl['champion_changes']:7d}")
     return "\n".join(lines)

@@ -47,7 +47,9 @@ class ReplayServeOptions:
     synchronous: bool = False
     sync_every: int = 50  # steps between synchronous learner rounds
     progress_seconds: float = 5.0
-    oracle: bool = False  # decide with the true accepted lengths (the upper bound); learning off
+    # decide with the true accepted lengths (controller.engines.trace_engine.ORACLES: the binary
+    # oracle "gate", or the allocator fed a perfect "predictor"); learning off
+    oracle: str | None = None
     drain_seconds: float = 10.0  # at shutdown, how long to keep trying to write what is queued
     learner: LearnerConfig = field(default_factory=LearnerConfig)
 

@@ -39,6 +39,7 @@ from predictor.calibration import Calibration
 from predictor.calibration import apply as apply_calibration
 from predictor.features import NUM_FEATURES, DraftContext, feature_matrix
 from predictor.hindsight import Hindsight, TrackedDraft
+from predictor.labels import lcp
 from predictor.mlp import GatePredictor
 from predictor.tokens import TokenClasses
 from predictor.traces import WORKLOADS
@@ -62,6 +63,10 @@ class RequestInput:
     tenant: str = "default"
     workload: str = "chat"
     speculate: bool = True  # per-request opt-out
+    # The output still to come, known only to a replay engine serving the upper bound: given, the
+    # request's cache draft is decided by its true accepted length instead of the gate's curve
+    # (a perfect predictor; its events still carry the gate's predictions).
+    continuation: Sequence[int] | np.ndarray | None = None
 
 
 @dataclass
@@ -210,11 +215,15 @@ class Runtime:
         x, row_pred, row_curves = self._predict(rows, curves=allocating)
         lengths[has_row] = rows.lengths()[main]
         predicted[has_row] = row_pred[main]
+        known = _known_lengths(inputs, rows, main_row)
+        predicted = np.where(np.isnan(known), predicted, known).astype(np.float32)
         allowed = np.array([st.speculate for st in states], dtype=bool) & speculating
         k = self.decision.model_draft_len
         if allocating:
             curves = np.zeros((n, row_curves.shape[1]), dtype=np.float32)
             curves[has_row] = row_curves[main]
+            sure = ~np.isnan(known)
+            curves[sure] = np.arange(curves.shape[1])[None, :] < known[sure, None]
             plan_source, verify_len, model_k, tau, auto_tau = self._allocate(states, workload, curves, predicted,
                                                                              lengths, allowed)
         else:
@@ -530,6 +539,17 @@ class Controls:
     overrides: OverrideSnapshot = field(default_factory=OverrideSnapshot)
     # the fast survival corrections for the champion served: {(workload, tenant or None): Calibration}
     calibrations: dict[tuple[str, str | None], Calibration] = field(default_factory=dict)
+
+
+def _known_lengths(inputs: Sequence[RequestInput], rows: "_StepDrafts", main_row: np.ndarray) -> np.ndarray:
+    """Each request's cache draft's true accepted length where its input carries the continuation
+    (NaN elsewhere)."""
+    out = np.full(len(inputs), np.nan)
+    for i, inp in enumerate(inputs):
+        if inp.continuation is not None and main_row[i] >= 0:
+            draft = rows.contexts[main_row[i]].draft.token_ids
+            out[i] = lcp(draft, list(inp.continuation[: len(draft)]))
+    return out
 
 
 class _StepDrafts:

@@ -26,6 +26,9 @@ from predictor.tokens import TraceTokenizer
 from predictor.traces import TraceRecord
 
 
+ORACLES = ("gate", "predictor")
+
+
 @dataclass
 class ReplayRun:
     by_workload: dict[str, Tally] = field(default_factory=dict)
@@ -59,13 +62,18 @@ def model_draft_accepted(drafter: DrafterProfile, seed: int, trace_id: str, posi
 def run_replay(runtime: Runtime, records: Sequence[TraceRecord], tokenizer: TraceTokenizer,
                drafter: DrafterProfile, batch_size: int = 1, seed: int = 0, tenant_of: Callable[[TraceRecord], str] | None = None,
                on_step: Callable[[ReplayRun], None] | None = None, stop: Callable[[], bool] | None = None,
-               oracle: bool = False) -> ReplayRun:
+               oracle: str | None = None) -> ReplayRun:
     """Serve `records` through `runtime` deployment by deployment; returns cycles and tokens per workload.
 
-    oracle=True verifies by perfect knowledge of each whole cache draft's accepted length against
-    the plan's tau (see `_oracle_sources`): the binary oracle gate of this serving setting."""
+    oracle (ORACLES) serves with perfect knowledge of each cache draft's accepted length: "gate"
+    verifies a whole cache draft iff that length beats the plan's tau (see `_oracle_sources`), the
+    binary oracle gate of this serving setting; "predictor" hands the runtime each request's
+    continuation, so its allocator plans from true lengths instead of the gate's curves (a perfect
+    predictor: the most any predictor of the cache drafts could buy in this setting)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if oracle is not None and oracle not in ORACLES:
+        raise ValueError(f"oracle must be one of {ORACLES} or None, got {oracle!r}")
     run = ReplayRun()
     tenant_of = tenant_of or (lambda r: "default")
     for group in deployments(records).values():
@@ -90,12 +98,13 @@ def run_replay(runtime: Runtime, records: Sequence[TraceRecord], tokenizer: Trac
             if not live:
                 continue
             inputs = [RequestInput(x.record.trace_id, x.pending_new, None if x.started else x.prompt,
-                                   tenant_of(x.record), x.record.workload) for x in live]
+                                   tenant_of(x.record), x.record.workload,
+                                   continuation=x.out[x.emitted:] if oracle == "predictor" else None) for x in live]
             for x in live:
                 x.started = True
             plan = runtime.step(inputs)
             run.steps += 1
-            if oracle:
+            if oracle == "gate":
                 source, drafts = _oracle_sources(plan, live), plan.cache_drafts
                 k = plan.model_k or runtime.decision.model_draft_len
             else:
