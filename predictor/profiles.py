@@ -96,6 +96,12 @@ def accepted_from_survival(survival: np.ndarray, u: "float | np.ndarray") -> "in
     return int(out) if out.ndim == 0 else out.astype(np.int64)
 
 
+def known_survival(accepted: np.ndarray, width: int) -> np.ndarray:
+    """The survival curves of drafts whose accepted lengths are known: S(j) = 1 for j <= accepted, 0
+    after ((n, width) float64). What a perfect predictor would say; accepted_from_survival's inverse."""
+    return (np.arange(1, width + 1)[None, :] <= np.asarray(accepted)[:, None]).astype(np.float64)
+
+
 def chain_mean(acceptance: float, draft_len: int) -> float:
     """Mean accepted tokens of a chain draft: sum_{i=1..k} acceptance^i."""
     return sum(acceptance**i for i in range(1, draft_len + 1))

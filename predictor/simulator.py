@@ -26,7 +26,7 @@ import numpy as np
 
 from predictor.allocator import AUTO, FORCE_NONE, allocate, allocate_each
 from predictor.goodput import model_step_ms, tau_star
-from predictor.profiles import CostProfile, DrafterProfile, accepted_from_survival
+from predictor.profiles import CostProfile, DrafterProfile, accepted_from_survival, known_survival
 from predictor.traces import WORKLOADS
 
 POLICIES: tuple[str, ...] = ("none", "suffix", "model", "arctic", "hvd", "hvd-binary", "oracle", "oracle-length")
@@ -201,8 +201,7 @@ class Simulator:
         self._order = np.full(len(data.output_len), -1, dtype=np.int64)  # trace index -> place in data.traces
         self._order[data.traces] = np.arange(len(data.traces))
         self._walks: dict[tuple, Walk] = {}
-        self._cache_positions = np.arange(1, max(int(data.draft_len.max(initial=0)), 1) + 1)[None, :]
-        self._model_positions = np.arange(1, drafter.draft_len + 1)[None, :]
+        self._cache_width = max(int(data.draft_len.max(initial=0)), 1)
 
     def uses_allocator(self, policy: str) -> bool:
         """`hvd` with a point-estimate gate falls back to the binary rule."""
@@ -239,8 +238,8 @@ class Simulator:
         lengths = self.data.draft_len[rows]
         if policy == "hvd":
             return self.data.survival[rows], lengths, self._curves[self._row_workload[rows]]
-        s = (self._cache_positions <= self.data.label[rows][:, None]).astype(np.float64)
-        se = (self._model_positions <= self.model_acc[rows][:, None]).astype(np.float64)
+        s = known_survival(self.data.label[rows], self._cache_width)
+        se = known_survival(self.model_acc[rows], self.drafter.draft_len)
         return s, lengths, se
 
     def walk(self, policy: str, cost: CostProfile, batch: int = 1) -> Walk:

@@ -17,6 +17,8 @@ window's delay instead of a window served worse. After a promotion the workload 
 champion is replayed against the one it replaced, the outcomes are added to the earlier windows',
 and unless it still gains at least `rollback_margin` on all of them together (0: it must not lose)
 the workload moves back: a loss of half a percent shows only over several windows.
+Every look also replays a perfect predictor (the true accepted lengths as curves) on the window: its
+gain over the serving version is the headroom, the most any challenger could win there.
 No challenger is tried on a workload on probation. Both models are compared raw (without the fast
 calibration, which is fitted afresh to whichever champion serves).
 
@@ -31,7 +33,7 @@ import numpy as np
 from predictor.counterfactual import CounterfactualPolicy, Goodput, Paths, gain, replay_paths, wins
 from predictor.mlp import GatePredictor
 from predictor.online import Batch
-from predictor.profiles import CostProfile
+from predictor.profiles import CostProfile, known_survival
 
 
 @dataclass
@@ -47,6 +49,11 @@ class Verdict:
     # confirmations start), "confirmed" (more to go), "refused", "promoted", "kept" (a probation look
     # passed), "rolled back"
     outcome: str = "lost"
+    # a perfect predictor's goodput over the serving version's on the same window (None: nothing was
+    # replayed): about the most any challenger could gain there, so what is left to learn (it knows
+    # the cache drafts' outcomes, not the model drafter's luck, so a policy can beat it by a hair)
+    headroom: float | None = None
+    window: int = 0  # drafts replayed in this look (a probation verdict's Goodputs add up all its looks)
 
     def to_json(self) -> dict:
         return {"action": self.action, "gain": round(self.gain, 5), "drafts": self.candidate.drafts,
@@ -163,15 +170,17 @@ class WorkloadPromoter:
         waiting = watch if watch is not None else win.pending
         if waiting is not None and win.seen - waiting.since < self.policy.holdout:  # not enough later traffic yet
             return Verdict(w, "keep", 0.0, Goodput(0, 0, 0), Goodput(0, 0, 0), "waiting")
+        perfect = replay_drafts(known_survival(win.drafts.label, max(int(win.drafts.draft_len.max(initial=0)), 1)),
+                                win.drafts, model_survival, cost)
         if watch is not None:
-            promoted, previous = watch.add(self._replay(win, watch.promoted, model_survival, cost),
-                                           self._replay(win, watch.previous, model_survival, cost), win.seen)
+            serving = self._replay(win, watch.promoted, model_survival, cost)
+            promoted, previous = watch.add(serving, self._replay(win, watch.previous, model_survival, cost), win.seen)
             kept = gain(promoted, previous)
             rollback = kept < self.policy.rollback_margin
             if rollback or watch.windows_left <= 0:
                 win.watch = None
             verdict = Verdict(w, "rollback" if rollback else "keep", kept, promoted, previous,
-                              "rolled back" if rollback else "kept")
+                              "rolled back" if rollback else "kept", gain(perfect, serving), perfect.drafts)
         else:
             chal, champ = self._replay(win, challenger, model_survival, cost), self._replay(win, champion, model_survival, cost)
             if win.pending is None:
@@ -184,7 +193,7 @@ class WorkloadPromoter:
                 outcome = "refused" if left is None else "confirmed"
             win.pending = _Pending(left, win.seen) if left else None
             verdict = Verdict(w, "promote" if left == 0 else "keep", g, chal, champ,
-                              "promoted" if left == 0 else outcome)
+                              "promoted" if left == 0 else outcome, gain(perfect, champ), perfect.drafts)
             if verdict.action == "promote":
                 win.watch = _Watch(challenger, champion, max(1, self.policy.probation), win.seen)
         win.verdicts.append(verdict)

@@ -238,6 +238,25 @@ class LearnerCheck(Base):
     replica: Mapped[str] = mapped_column(Text, nullable=False)
 
 
+class LearningRoom(Base):
+    """What a workload's serving could still gain, measured at each of the learner's checks on the
+    workload's held-back window: a perfect predictor's counterfactual goodput over the serving
+    version's (the headroom: no predictor can gain more) beside the challenger's (what learning has
+    found), so a user can see whether learning has anything left to win. Append-only."""
+
+    __tablename__ = "learning_room"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, index=True)
+    workload: Mapped[str] = mapped_column(String(MAX_WORKLOAD_LEN), nullable=False)
+    predictor_version_id: Mapped[int] = mapped_column(Integer, nullable=False)  # serving the workload then
+    drafts: Mapped[int] = mapped_column(Integer, nullable=False)  # the window replayed
+    headroom: Mapped[float] = mapped_column(Float, nullable=False)  # perfect predictor over serving - 1
+    # the challenger over serving - 1; NULL on a probation look (no challenger is tried then)
+    challenger_gain: Mapped[float | None] = mapped_column(Float, nullable=True)
+    replica: Mapped[str] = mapped_column(Text, nullable=False)
+
+
 class TauHistory(Base):
     """Every change of a workload's automatic tau: the goodput-rule value, the learned correction,
     and the live estimates it came from."""

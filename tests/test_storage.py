@@ -37,7 +37,7 @@ from storage.versions import (
     verify_blob,
 )
 
-TABLES = {"predictor_versions", "aliases", "alias_events", "decision_events", "tau_overrides", "tau_history", "learner_checks",
+TABLES = {"predictor_versions", "aliases", "alias_events", "decision_events", "tau_overrides", "tau_history", "learner_checks", "learning_room",
           "stat_buckets", "drift_events", "leases", "replica_health", "dead_letter_events", "event_receipts", "survival_calibrations"}
 SCHEMA_HASH = "a" * 64
 
@@ -77,7 +77,7 @@ def _new_version(session, blob: bytes = b"weights", **overrides) -> PredictorVer
 def test_upgrade_creates_tables_matching_models(engine: Engine) -> None:
     assert current_revision(engine) is None
     upgrade(engine)
-    assert current_revision(engine) == head_revision() == "0010"
+    assert current_revision(engine) == head_revision() == "0011"
     assert TABLES <= set(inspect(engine).get_table_names())
     with engine.connect() as conn:
         ctx = MigrationContext.configure(conn, opts={"compare_type": True})
@@ -88,7 +88,7 @@ def test_upgrade_creates_tables_matching_models(engine: Engine) -> None:
 def test_upgrade_is_idempotent(engine: Engine) -> None:
     upgrade(engine)
     upgrade(engine)
-    assert current_revision(engine) == "0010"
+    assert current_revision(engine) == "0011"
 
 
 def test_downgrade_one_step_keeps_earlier_data(engine: Engine) -> None:
@@ -141,7 +141,7 @@ def test_upgrade_accepts_url(db_url: str) -> None:
     upgrade(db_url)
     eng = make_engine(db_url)
     try:
-        assert current_revision(eng) == "0010"
+        assert current_revision(eng) == "0011"
     finally:
         eng.dispose()
 
@@ -153,7 +153,7 @@ def test_cli_alembic_ini(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     command.upgrade(Config(str(ini)), "head")
     eng = make_engine(url)
     try:
-        assert current_revision(eng) == "0010"
+        assert current_revision(eng) == "0011"
     finally:
         eng.dispose()
 
@@ -347,3 +347,32 @@ def test_learner_checks_refuse_what_the_table_cannot_hold_and_keep_what_is_store
         assert [c.id for c in list_learner_checks(s, limit=1)] == [max(c.id for c in list_learner_checks(s))]
     assert stored == [("calibration", "on trial", "acme", 0.0125, 3000, check["at"]),
                       ("promotion", "won", "", 0.0125, 3000, check["at"])]  # newest first; nothing lost
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("workload", "w" * 33, "learning room workload is 33 characters; at most 32"),
+    ("drafts", -1, "learning room drafts must be >= 0, got -1"),
+    ("headroom", float("nan"), "learning room headroom must be a finite number, got nan"),
+    ("challenger_gain", float("inf"), "learning room challenger_gain must be a finite number, got inf"),
+])
+def test_learning_room_refuses_what_the_table_cannot_hold_and_keeps_what_is_stored(
+        db: Engine, field: str, value: object, message: str) -> None:
+    from datetime import datetime
+
+    from storage.learning_room import add_learning_room, latest_learning_room, list_learning_room
+
+    room = dict(at=datetime(2026, 12, 3, tzinfo=timezone.utc), workload="sql", predictor_version_id=1, drafts=3000,
+                headroom=0.0512, challenger_gain=-0.002, replica="r1")
+    with session_scope(db) as s:
+        add_learning_room(s, **room)
+        add_learning_room(s, **{**room, "workload": "chat", "headroom": 0.031})
+        add_learning_room(s, **{**room, "headroom": 0.047, "challenger_gain": None, "predictor_version_id": 2})
+    with pytest.raises(ValueError, match=message):
+        with session_scope(db) as s:
+            add_learning_room(s, **{**room, field: value})
+    with session_scope(db) as s:
+        stored = [(r.workload, r.predictor_version_id, r.headroom, r.challenger_gain, r.at) for r in list_learning_room(s)]
+        latest = [(r.workload, r.headroom) for r in latest_learning_room(s)]
+    assert stored == [("sql", 2, 0.047, None, room["at"]), ("chat", 1, 0.031, -0.002, room["at"]),
+                      ("sql", 1, 0.0512, -0.002, room["at"])]  # newest first; nothing lost
+    assert latest == [("chat", 0.031), ("sql", 0.047)]

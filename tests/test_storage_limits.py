@@ -175,7 +175,7 @@ def test_migration_0005_down_and_up(db: Engine) -> None:
     columns = {c["name"]: c["type"] for c in inspect(db).get_columns("decision_events")}
     assert getattr(columns["request_id"], "length", None) == 128
     upgrade(db)
-    assert current_revision(db) == "0010"
+    assert current_revision(db) == "0011"
     with db.connect() as conn:
         assert compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata) == []
     with session_scope(db) as s:

@@ -75,11 +75,15 @@ def test_a_winning_challenger_is_promoted_for_its_workload_and_rolled_back_when_
     (w,) = promoter.due()
     verdict = promoter.judge(w, PESSIMIST, OPTIMIST, no_model(1), COST)
     assert verdict.action == "promote" and verdict.gain > 1.0
+    assert verdict.headroom == pytest.approx(verdict.gain)  # the optimist is perfect here: nothing left to learn
     promoter.hold(drafts(100, 0))  # then nothing is accepted any more
-    assert promoter.judge(SQL, OPTIMIST, OPTIMIST, no_model(1), COST).action == "keep"  # window not yet all new
+    waiting = promoter.judge(SQL, OPTIMIST, OPTIMIST, no_model(1), COST)
+    assert waiting.action == "keep" and waiting.headroom is None  # window not yet all new: nothing replayed
     promoter.hold(drafts(100, 0))
     verdict = promoter.judge(SQL, OPTIMIST, OPTIMIST, no_model(1), COST)
     assert verdict.action == "rollback" and verdict.gain == pytest.approx(COST.step_ms(1, 1) / COST.step_ms(1, 13) - 1)
+    # the promoted optimist verifies 12 tokens that a perfect predictor knows are all wrong
+    assert verdict.headroom == pytest.approx(COST.step_ms(1, 13) / COST.step_ms(1, 1) - 1)
     promoter.hold(drafts(100, 0))
     assert promoter.judge(SQL, PESSIMIST, PESSIMIST, no_model(1), COST).action == "keep"  # equal: no margin
 
@@ -167,6 +171,7 @@ def test_the_service_promotes_per_workload_calibrates_and_replicas_follow(pessim
     from storage.calibrations import list_calibrations
     from storage.engine import session_scope
     from storage.learner_checks import list_learner_checks
+    from storage.learning_room import list_learning_room
     from storage.versions import get_alias_version, list_alias_events, list_versions
 
     engine, tokenizer = pessimist_db
@@ -202,6 +207,17 @@ def test_the_service_promotes_per_workload_calibrates_and_replicas_follow(pessim
         assert all(g < 0.0 for _, _, o, g, *_ in told if o in ("refused", "rolled back"))
         last = max(i for i, o in enumerate(outcomes) if o == "promoted")
         assert told[last][5].endswith(f"promoted as v{version}") and "rolled back" not in outcomes[last:]
+    with session_scope(engine) as s:
+        rooms = [(r.workload, r.challenger_gain, r.predictor_version_id, r.headroom, r.drafts)
+                 for r in reversed(list_learning_room(s))]
+    assert len(rooms) > sum(1 for c in checks if c[1] == "promotion")  # every look, the ones lost included
+    assert all(n == 400 for *_, n in rooms)  # the window replayed, on probation looks too
+    # a champion that expects nothing leaves much to learn, more than any challenger found
+    assert all(h > 0.05 and (g is None or h > g) for _, g, v, h, _ in rooms if v == 1)
+    looks = {room[:3] for room in rooms}
+    for w, subject, outcome, g, version, *_ in checks:  # each recorded look has its headroom beside it
+        if subject == "promotion":
+            assert (w, None if outcome in ("kept", "rolled back") else g, version) in looks
     trials = [c for c in checks if c[1] == "calibration"]
     assert trials and trials[0][2] == "on trial" and trials[0][3] > 0
     assert {c[2] for c in trials} <= {"on trial", "confirmed", "refused"}

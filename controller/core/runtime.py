@@ -41,6 +41,7 @@ from predictor.features import NUM_FEATURES, DraftContext, feature_matrix
 from predictor.hindsight import Hindsight, TrackedDraft
 from predictor.labels import lcp
 from predictor.mlp import GatePredictor
+from predictor.profiles import known_survival
 from predictor.tokens import TokenClasses
 from predictor.traces import WORKLOADS
 from storage.overrides import OverrideSnapshot
@@ -223,7 +224,7 @@ class Runtime:
             curves = np.zeros((n, row_curves.shape[1]), dtype=np.float32)
             curves[has_row] = row_curves[main]
             sure = ~np.isnan(known)
-            curves[sure] = np.arange(curves.shape[1])[None, :] < known[sure, None]
+            curves[sure] = known_survival(known[sure], curves.shape[1])
             plan_source, verify_len, model_k, tau, auto_tau = self._allocate(states, workload, curves, predicted,
                                                                              lengths, allowed)
         else:

@@ -35,6 +35,7 @@ from storage.calibrations import ALL_TENANTS, clear_calibrations, save_calibrati
 from storage.engine import session_scope
 from storage.events import count_cache_drafts_since, events_after, last_event_id
 from storage.learner_checks import add_learner_check
+from storage.learning_room import add_learning_room
 from storage.versions import (add_drift_event, add_tau_history, create_version, get_alias_version,
                               list_alias_events)
 
@@ -85,6 +86,7 @@ class LearnerService(BackgroundService):
         self.workload_gates: dict[str, tuple[int, GatePredictor]] = {}  # workloads with their own champion
         self._before: dict[str, int] = {}  # a watched promotion's predecessor, per workload
         self._checks: list[dict] = []  # judgements to record (storage.learner_checks), written with the round's writes
+        self._rooms: list[dict] = []  # headroom measurements to record (storage.learning_room), likewise
         if start_at_end:
             self._take_over()
 
@@ -174,9 +176,13 @@ class LearnerService(BackgroundService):
         wins = [v for v in verdicts if v.action == "promote"]
         losses = [v for v in verdicts if v.action == "rollback"]
         told = [v for v in verdicts if v.outcome not in ("lost", "waiting")]
+        judged = {v.workload: self._serving(WORKLOADS[v.workload])[0] for v in verdicts}  # before any move
+        self._rooms += [self._learning_room(v, judged[v.workload]) for v in verdicts if v.headroom is not None]
         if not told:
+            if self._rooms:
+                with session_scope(self.engine) as s:
+                    self._write_checks(s, now)
             return
-        judged = {v.workload: self._serving(WORKLOADS[v.workload])[0] for v in told}  # before any move
         actor = f"learner@{self.replica}"
         with session_scope(self.engine) as s:
             version = None
@@ -233,10 +239,21 @@ class LearnerService(BackgroundService):
         return {"workload": name, "tenant": None, "subject": "promotion", "outcome": v.outcome, "gain": v.gain,
                 "drafts": v.candidate.drafts, "predictor_version_id": serving, "reason": reason}
 
+    @staticmethod
+    def _learning_room(v: Verdict, serving: int) -> dict:
+        """A look's headroom (storage.learning_room), with the challenger's gain where one was tried."""
+        probation = v.outcome in ("kept", "rolled back")
+        return {"workload": WORKLOADS[v.workload], "predictor_version_id": serving, "drafts": v.window,
+                "headroom": v.headroom, "challenger_gain": None if probation else v.gain}
+
     def _write_checks(self, session, now: datetime) -> None:
+        """The round's learner checks and headroom measurements."""
         for check in self._checks:
             add_learner_check(session, at=now, replica=self.replica, **check)
+        for room in self._rooms:
+            add_learning_room(session, at=now, replica=self.replica, **room)
         self._checks.clear()
+        self._rooms.clear()
 
     def _switch(self, session, workload: str, version_id: int, gate: GatePredictor) -> None:
         """`workload` is now decided by `version_id`: its corrections were fitted to another model."""
