@@ -393,6 +393,16 @@ def learner_checks(session: Session, limit: int = 500) -> list[dict[str, Any]]:
             for c in list_learner_checks(session, limit)]
 
 
+def learning_room(session: Session) -> list[dict[str, Any]]:
+    """Each workload's newest headroom measurement (storage.learning_room), in percent."""
+    from storage.learning_room import latest_learning_room
+
+    return [{"workload": r.workload, "version": r.predictor_version_id,
+             "headroom_pct": round(100 * r.headroom, 2),
+             "challenger_pct": None if r.challenger_gain is None else round(100 * r.challenger_gain, 2),
+             "drafts": r.drafts, "at": r.at, "replica": r.replica} for r in latest_learning_room(session)]
+
+
 def calibrations(session: Session) -> list[dict[str, Any]]:
     """The fast survival corrections in force, one row per scope, with a one-number summary: the
     mean bias over positions (> 0: the correction raises the model's acceptance odds)."""

@@ -564,3 +564,20 @@ def test_versions_page_shows_the_learners_checks_newest_first(db):
     assert shown.iloc[0][["Workload", "Tenant", "Subject", "Outcome", "Gain %", "Drafts judged", "Why"]].tolist() == \
         ["sql", "(all)", "promotion", "refused", -0.41, 3000, "the challenger refused"]
     assert shown.iloc[1][["Outcome", "Gain %"]].tolist() == ["won", 2.13]
+
+
+def test_versions_page_shows_each_workloads_newest_room_to_learn(db):
+    from storage.learning_room import add_learning_room
+
+    engine = make_engine(db)
+    with session_scope(engine) as s:
+        for workload, headroom, gain in (("sql", 0.061, 0.004), ("chat", 0.032, None), ("sql", 0.055, -0.002)):
+            add_learning_room(s, at=datetime(2026, 12, 3, 12, tzinfo=timezone.utc), workload=workload,
+                              predictor_version_id=1, drafts=3000, headroom=headroom, challenger_gain=gain,
+                              replica="r1")
+    engine.dispose()
+    at = run(page("versions"))
+    shown = next(d.value for d in at.dataframe if "Perfect predictor %" in d.value.columns)
+    rows = shown[["Workload", "Perfect predictor %", "Challenger %", "Drafts replayed"]].values.tolist()
+    assert [r[:2] for r in rows] == [["chat", 3.2], ["sql", 5.5]] and rows[1][2] == -0.2
+    assert shown["Challenger %"].isna().tolist() == [True, False]  # a probation look tries no challenger

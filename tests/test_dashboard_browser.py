@@ -28,7 +28,7 @@ PAGES = {
     "quality": ["Predictor quality", "Precision at accepted ≥ 6", "Per workload, at accepted length ≥ 6",
                 "Calibration"],
     "thresholds": ["Thresholds", "Live tau", "Set or clear an override", "Override audit"],
-    "versions": ["Versions", "Champion version", "Promotion log", "Learner checks"],
+    "versions": ["Versions", "Champion version", "Promotion log", "Learner checks", "Room to learn"],
     "health": ["Health", "Decision events stored", "Ages", "Database size"],
 }
 VIEWPORTS = [(1440, 900), (390, 844)]

@@ -125,6 +125,24 @@ else:
     st.info("No learner checks yet: the learner records a challenger's win, its confirmation or refusal, probation "
             "looks and calibration trials as they happen.")
 
+st.subheader("Room to learn (each workload's newest check)")
+with read_session(engine) as s:
+    room = q.learning_room(s)
+if room:
+    st.dataframe(pd.DataFrame(room).rename(columns={
+        "workload": "Workload", "version": "Serving version", "headroom_pct": "Perfect predictor %",
+        "challenger_pct": "Challenger %", "drafts": "Drafts replayed", "at": "At (UTC)", "replica": "By replica"}),
+        hide_index=True, width="stretch", column_config={"At (UTC)": DATETIME})
+    st.caption("At every check the learner replays, on the workload's newest held-back drafts, a perfect predictor "
+               "(each draft's true accepted length as its curve) beside the challenger: its goodput over the serving "
+               "version is the most any predictor could win there. A challenger far below it has not learned what is "
+               "learnable, or the drafts' outcomes are not predictable from what is known before verification; on "
+               "sources left out of the warm start, gates trained on the source itself win at most a third of it "
+               "(README, Figures). Challenger % is empty on a probation look, where no challenger is tried.")
+else:
+    st.info("No checks yet: the learner measures the room to learn every 1,000 drafts of a workload, once its "
+            "window of held-back drafts is full.")
+
 st.subheader("Fast calibrations")
 if fitted:
     st.dataframe(pd.DataFrame(fitted).rename(columns={
