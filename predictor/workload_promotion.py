@@ -18,7 +18,7 @@ champion is replayed against the one it replaced, the outcomes are added to the 
 and unless it still gains at least `rollback_margin` on all of them together (0: it must not lose)
 the workload moves back: a loss of half a percent shows only over several windows.
 Every look also replays a perfect predictor (the true accepted lengths as curves) on the window: its
-gain over the serving version is the headroom, the most any challenger could win there.
+gain over the serving version is the headroom, about the most any challenger could win there.
 No challenger is tried on a workload on probation. Both models are compared raw (without the fast
 calibration, which is fitted afresh to whichever champion serves).
 

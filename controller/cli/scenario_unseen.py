@@ -335,7 +335,7 @@ def summarise(source: str, workload: str, modes: dict[str, ModeReport]) -> dict:
         "modes": {m: asdict(r) for m, r in modes.items()}, **ceiling,
         "learning_gain": round(1.0 - learn.cycles_per_1k / static.cycles_per_1k, 4),
         "learning_gain_ms": round(1.0 - learn.ms_per_1k / static.ms_per_1k, 4),
-        # what a perfect predictor gains over learning off: no learner of the cache drafts can beat it
+        # what a perfect predictor gains over learning off: about the most any predictor could
         "headroom": round(1.0 - perfect.cycles_per_1k / static.cycles_per_1k, 4),
         "headroom_ms": round(1.0 - perfect.ms_per_1k / static.ms_per_1k, 4),
         "above_oracle": round(learn.cycles_per_1k / oracle.cycles_per_1k - 1.0, 4),
