@@ -136,9 +136,9 @@ if room:
     st.caption("At every check the learner replays, on the workload's newest held-back drafts, a perfect predictor "
                "(each draft's true accepted length as its curve) beside the challenger: its goodput over the serving "
                "version is the most any predictor could win there. A challenger far below it has not learned what is "
-               "learnable, or the drafts' outcomes are not predictable from what is known before verification; on "
-               "sources left out of the warm start, gates trained on the source itself win at most a third of it "
-               "(README, Figures). Challenger % is empty on a probation look, where no challenger is tried.")
+               "learnable, or the drafts' outcomes are not predictable from what is known before verification: on "
+               "sources left out of the warm start, gates trained on the source itself win between none and half "
+               "of it (README, Figures). Challenger % is empty on a probation look, where no challenger is tried.")
 else:
     st.info("No checks yet: the learner measures the room to learn every 1,000 drafts of a workload, once its "
             "window of held-back drafts is full.")
