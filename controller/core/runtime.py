@@ -216,15 +216,17 @@ class Runtime:
         x, row_pred, row_curves = self._predict(rows, curves=allocating)
         lengths[has_row] = rows.lengths()[main]
         predicted[has_row] = row_pred[main]
-        known = _known_lengths(inputs, rows, main_row)
-        predicted = np.where(np.isnan(known), predicted, known).astype(np.float32)
+        known = _known_lengths(inputs, rows, main_row)  # None unless a replay engine serves a perfect predictor
+        if known is not None:
+            predicted = np.where(np.isnan(known), predicted, known).astype(np.float32)
         allowed = np.array([st.speculate for st in states], dtype=bool) & speculating
         k = self.decision.model_draft_len
         if allocating:
             curves = np.zeros((n, row_curves.shape[1]), dtype=np.float32)
             curves[has_row] = row_curves[main]
-            sure = ~np.isnan(known)
-            curves[sure] = known_survival(known[sure], curves.shape[1])
+            if known is not None:
+                sure = ~np.isnan(known)
+                curves[sure] = known_survival(known[sure], curves.shape[1])
             plan_source, verify_len, model_k, tau, auto_tau = self._allocate(states, workload, curves, predicted,
                                                                              lengths, allowed)
         else:
@@ -542,9 +544,11 @@ class Controls:
     calibrations: dict[tuple[str, str | None], Calibration] = field(default_factory=dict)
 
 
-def _known_lengths(inputs: Sequence[RequestInput], rows: "_StepDrafts", main_row: np.ndarray) -> np.ndarray:
+def _known_lengths(inputs: Sequence[RequestInput], rows: "_StepDrafts", main_row: np.ndarray) -> np.ndarray | None:
     """Each request's cache draft's true accepted length where its input carries the continuation
-    (NaN elsewhere)."""
+    (NaN elsewhere); None when no input does (every engine but a replay serving the upper bound)."""
+    if all(inp.continuation is None for inp in inputs):
+        return None
     out = np.full(len(inputs), np.nan)
     for i, inp in enumerate(inputs):
         if inp.continuation is not None and main_row[i] >= 0:
