@@ -207,3 +207,16 @@ def test_scenario_unseen_names_an_unknown_source_before_any_work(work):
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert "unknown source 'no-such-source'; bundled sources: aider-chat-history, can-ai-code-results" in run.stderr
     assert not (tmp / "var" / "scenario-unseen").exists()
+
+
+@pytest.mark.parametrize("argv, oracle", [([], None), (["--oracle"], "gate"), (["--oracle", "predictor"], "predictor")])
+def test_the_replay_engines_oracles_by_name(argv, oracle):
+    """`--oracle` alone is the binary oracle gate; `--oracle predictor` the perfect predictor; the
+    names the CLI offers are the engine's, and the engine refuses any other by name."""
+    from controller.cli.main import ORACLE_NAMES, _parser
+    from controller.engines.trace_engine import ORACLES, run_replay
+
+    assert _parser().parse_args(["serve", "--engine", "replay", *argv]).oracle == oracle
+    assert set(ORACLE_NAMES) == set(ORACLES)
+    with pytest.raises(ValueError, match="oracle must be one of \\('gate', 'predictor'\\) or None, got 'length'"):
+        run_replay(None, [], None, None, oracle="length")
