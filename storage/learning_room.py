@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session
 
 from storage.limits import MAX_WORKLOAD_LEN
 from storage.models import LearningRoom
+from storage.retention import keep_newest
 
 
 def add_learning_room(session: Session, *, at: datetime, workload: str, predictor_version_id: int, drafts: int,
@@ -40,3 +41,8 @@ def latest_learning_room(session: Session) -> list[LearningRoom]:
     """Each workload's newest measurement, by workload."""
     newest = select(func.max(LearningRoom.id)).group_by(LearningRoom.workload)
     return list(session.scalars(select(LearningRoom).where(LearningRoom.id.in_(newest)).order_by(LearningRoom.workload)))
+
+
+def prune_learning_room(session: Session, keep_last: int) -> int:
+    """Delete the oldest measurements beyond the newest `keep_last`; returns the count."""
+    return keep_newest(session, LearningRoom, keep_last)

@@ -14,11 +14,12 @@ from dataclasses import dataclass, field, fields, replace
 from datetime import datetime, timezone
 from typing import Protocol
 
-from sqlalchemy import delete, literal_column, select
+from sqlalchemy import literal_column, select
 from sqlalchemy.orm import Session
 
 from storage.limits import MAX_TENANT_LEN, MAX_WORKLOAD_LEN, text_problem
 from storage.models import DecisionEvent, StatBucket
+from storage.retention import keep_newest
 
 BUCKET_SECONDS = 60
 LONG = 6  # a "long" draft accepts >= LONG tokens: the positive class of the gate's precision/recall
@@ -254,11 +255,4 @@ def read_buckets(session: Session, since: datetime | None = None, tenant: str | 
 
 def prune_events(session: Session, keep_last: int) -> int:
     """Delete the oldest decision events beyond the newest `keep_last` (by id); returns the count."""
-    if keep_last < 0:
-        raise ValueError(f"keep_last must be >= 0, got {keep_last}")
-    # The id of the newest event to delete: the (keep_last+1)-th newest.
-    cutoff = session.scalar(select(DecisionEvent.id).order_by(DecisionEvent.id.desc()).offset(keep_last).limit(1))
-    if cutoff is None:
-        return 0
-    result = session.execute(delete(DecisionEvent).where(DecisionEvent.id <= cutoff))
-    return int(result.rowcount or 0)
+    return keep_newest(session, DecisionEvent, keep_last)

@@ -359,7 +359,7 @@ def test_learning_room_refuses_what_the_table_cannot_hold_and_keeps_what_is_stor
         db: Engine, field: str, value: object, message: str) -> None:
     from datetime import datetime
 
-    from storage.learning_room import add_learning_room, latest_learning_room, list_learning_room
+    from storage.learning_room import add_learning_room, latest_learning_room, list_learning_room, prune_learning_room
 
     room = dict(at=datetime(2026, 12, 3, tzinfo=timezone.utc), workload="sql", predictor_version_id=1, drafts=3000,
                 headroom=0.0512, challenger_gain=-0.002, replica="r1")
@@ -376,3 +376,6 @@ def test_learning_room_refuses_what_the_table_cannot_hold_and_keeps_what_is_stor
     assert stored == [("sql", 2, 0.047, None, room["at"]), ("chat", 1, 0.031, -0.002, room["at"]),
                       ("sql", 1, 0.0512, -0.002, room["at"])]  # newest first; nothing lost
     assert latest == [("chat", 0.031), ("sql", 0.047)]
+    with session_scope(db) as s:
+        assert prune_learning_room(s, 1) == 2 and prune_learning_room(s, 1) == 0
+        assert [(r.workload, r.headroom) for r in list_learning_room(s)] == [("sql", 0.047)]  # the newest kept

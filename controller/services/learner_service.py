@@ -35,7 +35,7 @@ from storage.calibrations import ALL_TENANTS, clear_calibrations, save_calibrati
 from storage.engine import session_scope
 from storage.events import count_cache_drafts_since, events_after, last_event_id
 from storage.learner_checks import add_learner_check
-from storage.learning_room import add_learning_room
+from storage.learning_room import add_learning_room, prune_learning_room
 from storage.versions import (add_drift_event, add_tau_history, create_version, get_alias_version,
                               list_alias_events)
 
@@ -44,6 +44,9 @@ from storage.versions import (add_drift_event, add_tau_history, create_version, 
 # stricter bar, and the two walks err differently (on the left-out sources the served batch alone
 # served a toolbench correction that lost 0.5% ms, batch 1 alone a can-ai-code one that lost 0.3%).
 CALIBRATION_JUDGES = (1, None)
+# Headroom measurements kept (storage.learning_room): one per 1,000 drafts of a workload, so the
+# newest 10 million drafts' worth; the dashboard shows each workload's newest.
+KEEP_LEARNING_ROOM = 10_000
 MIN_JUDGED = 200  # held-back drafts a scope needs before its calibration is judged (and served)
 
 
@@ -252,6 +255,8 @@ class LearnerService(BackgroundService):
             add_learner_check(session, at=now, replica=self.replica, **check)
         for room in self._rooms:
             add_learning_room(session, at=now, replica=self.replica, **room)
+        if self._rooms:
+            prune_learning_room(session, KEEP_LEARNING_ROOM)
         self._checks.clear()
         self._rooms.clear()
 
