@@ -4,8 +4,10 @@ from __future__ import annotations
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
+from storage.models import Base
 
-def keep_newest(session: Session, model, keep_last: int) -> int:
+
+def keep_newest(session: Session, model: type[Base], keep_last: int) -> int:
     """Delete `model`'s oldest rows beyond the newest `keep_last` (by id); returns the count."""
     if keep_last < 0:
         raise ValueError(f"keep_last must be >= 0, got {keep_last}")
