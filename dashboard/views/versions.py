@@ -135,7 +135,7 @@ if room:
         hide_index=True, width="stretch", column_config={"At (UTC)": DATETIME})
     st.caption("At every check the learner replays, on the workload's newest held-back drafts, a perfect predictor "
                "(each draft's true accepted length as its curve) beside the challenger: its goodput over the serving "
-               "version is the most any predictor could win there. A challenger far below it has not learned what is "
+               "version is about the most any predictor could win there. A challenger far below it has not learned what is "
                "learnable, or the drafts' outcomes are not predictable from what is known before verification: on "
                "sources left out of the warm start, gates trained on the source itself win between none and half "
                "of it (README, Figures). Challenger % is empty on a probation look, where no challenger is tried.")
