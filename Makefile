@@ -79,7 +79,7 @@ serve: setup
 
 # The dashboard on the same database (admin edits need HVD_ADMIN_TOKEN set by the operator), on this
 # machine only unless told otherwise: DASHBOARD_ADDRESS=0.0.0.0 to listen on every interface (put TLS
-# in front first: README, Dashboard); ARGS go to streamlit, e.g. ARGS="--server.port 8502".
+# in front first: docs/guides/dashboard.md); ARGS go to streamlit, e.g. ARGS="--server.port 8502".
 DASHBOARD_ADDRESS ?= 127.0.0.1
 dashboard: setup
 	HVD_DATABASE_URL=$(DB) $(VENV)/bin/streamlit run dashboard/app.py --server.address $(DASHBOARD_ADDRESS) $(ARGS)

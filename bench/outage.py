@@ -12,25 +12,22 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import torch
 from sqlalchemy import create_engine, make_url, text
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the TCP proxy the tests use
-
 from controller.cli import serve_traces  # noqa: E402
 from controller.cli.serve_traces import ReplayServeOptions, round_robin_sources, serve_replay  # noqa: E402
-from predictor.champion import store_champion  # noqa: E402
-from predictor.features import NUM_FEATURES, schema_hash  # noqa: E402
-from predictor.mlp import MLP, GatePredictor  # noqa: E402
-from predictor.traces import bundled_traces_path, load_traces  # noqa: E402
+from predictor.data.traces import bundled_traces_path, load_traces  # noqa: E402
+from predictor.drafting.features import NUM_FEATURES, schema_hash  # noqa: E402
+from predictor.gate.mlp import MLP, GatePredictor  # noqa: E402
+from predictor.gate.registry import store_champion  # noqa: E402
 from storage.engine import make_engine, session_scope  # noqa: E402
 from storage.migrate import upgrade  # noqa: E402
+# bench/tcp_proxy.py, beside this script (the tests use it too, through pytest's pythonpath).
 from tcp_proxy import ProxyProcess  # noqa: E402
 
 PG_URL = os.environ.get("HVD_TEST_POSTGRES_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")

@@ -24,12 +24,13 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from predictor.cache_drafter import CacheDrafter  # noqa: E402
-from predictor.features import NUM_FEATURES, schema_hash  # noqa: E402
-from predictor.mlp import MLP, GatePredictor  # noqa: E402
-from predictor.trace_replay import replay  # noqa: E402
-from predictor.tokens import TraceTokenizer  # noqa: E402
-from predictor.traces import bundled_traces_path, load_traces  # noqa: E402
+from predictor.data.tokens import TraceTokenizer  # noqa: E402
+from predictor.data.traces import bundled_traces_path, load_traces  # noqa: E402
+from predictor.drafting.cache_drafter import CacheDrafter  # noqa: E402
+from predictor.drafting.features import NUM_FEATURES, schema_hash  # noqa: E402
+from predictor.drafting.token_classes import token_classes  # noqa: E402
+from predictor.gate.mlp import MLP, GatePredictor  # noqa: E402
+from predictor.replay.trace_replay import replay  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure import rotations, spread, survival_curves, verdict  # noqa: E402
@@ -66,7 +67,7 @@ def subset(records, per_source: int):
 
 
 def bench_replay(records, tokenizer) -> None:
-    tokenizer.classes  # built once per process; not part of the per-position cost
+    token_classes(tokenizer)  # built once per process; not part of the per-position cost
     rates = []
     for _ in range(3):
         start = time.perf_counter()
@@ -123,17 +124,17 @@ def bench_gate(records, tokenizer) -> None:
 
 
 def bench_allocator(records, tokenizer, reps: int, steps: int) -> None:
-    """predictor.allocator.allocate for the whole step against the suffix lookups of the same step
+    """predictor.decision.allocator.allocate for the whole step against the suffix lookups of the same step
     (append the sampled token + draft, per request, on real bundled traces, as the runtime does),
     at batch 1, 32 and 256. Curves: K = the survival gate's width over each request's real draft
     length; the model drafter's measured per-workload curve (eagle3-smollm2) up to k = 3; the
     measured cpu-smollm2 step-cost profile. The survival gate's own forward over the step's
     feature rows is timed beside it (random weights: only its cost matters here). Each repetition
     times the batch sizes in a rotated order, lookup and allocation alternating per step."""
-    from predictor.allocator import allocate
-    from predictor.mlp import SURVIVAL_K
-    from predictor.profiles import cost_profiles, drafter_profiles
-    from predictor.traces import WORKLOADS
+    from predictor.decision.allocator import allocate
+    from predictor.decision.profiles import cost_profiles, drafter_profiles
+    from predictor.gate.mlp import SURVIVAL_K
+    from storage.workloads import WORKLOADS
 
     cost = cost_profiles()["cpu-smollm2"]
     model_curve = {w: drafter_profiles()["eagle3-smollm2"].survival_for(w)[:MODEL_K_MAX] for w in WORKLOADS}
@@ -201,9 +202,9 @@ class TimedDrafter(CacheDrafter):
         super().extend(req_id, token_ids)
         TimedDrafter.seconds += clock() - t0
 
-    def draft(self, req_id, context, max_spec_tokens=None):
+    def draft(self, req_id, context):
         t0 = clock()
-        d = super().draft(req_id, context, max_spec_tokens)
+        d = super().draft(req_id, context)
         TimedDrafter.seconds += clock() - t0
         return d
 
@@ -224,8 +225,8 @@ def bench_runtime(records, tokenizer, reps: int) -> None:
     for the allocator (a survival gate; the measured cpu-smollm2 costs and eagle3-smollm2 drafter)
     and the binary rule (a point gate, a fixed tau), repetitions interleaved."""
     from controller.core.decision import DecisionConfig
-    from predictor.mlp import SURVIVAL_K
-    from predictor.profiles import cost_profiles, drafter_profiles
+    from predictor.decision.profiles import cost_profiles, drafter_profiles
+    from predictor.gate.mlp import SURVIVAL_K
 
     torch.manual_seed(0)
     gates = {"allocator": GatePredictor.from_torch(MLP(NUM_FEATURES, outputs=SURVIVAL_K), schema_hash()),
@@ -258,7 +259,7 @@ def _runtime_overhead(records, tokenizer, gate, config, batch: int) -> tuple[flo
     from controller.core.runtime import Runtime
     from controller.engines.trace_engine import run_replay
 
-    runtime = Runtime(gate, tokenizer.classes, config, drafter_factory=TimedDrafter)
+    runtime = Runtime(gate, token_classes(tokenizer), config, drafter_factory=TimedDrafter)
     TimedDrafter.seconds = 0.0
     step_seconds, steps = [0.0], [0]
     inner = runtime.step
@@ -286,7 +287,8 @@ def _runtime_overhead(records, tokenizer, gate, config, batch: int) -> tuple[flo
 
 def bench_learner(records, tokenizer) -> None:
     """Labelled events per second through the online learner (shadow scoring + updates + drift)."""
-    from predictor.online import Batch, LearnerConfig, OnlineLearner
+    from predictor.gate.batch import Batch
+    from predictor.online.learner import LearnerConfig, OnlineLearner
 
     result = replay(records, tokenizer)
     keep = result.draft_len > 0
@@ -314,8 +316,8 @@ def bench_writer() -> None:
 
     from sqlalchemy import create_engine, text
 
-    from controller.services.event_writer import EventWriter
     from controller.core.events import EventQueue, LabelledEvent
+    from controller.services.event_writer import EventWriter
     from controller.services.stats_writer import StatsWriter
     from storage.migrate import upgrade
 

@@ -3,77 +3,48 @@ through one parser, as vLLM's `envs.py` keeps its own.
 
 Values are checked where they are read: a bad value raises `SettingsError` naming the variable and
 what it accepts, before any engine state is built. An unset or empty variable takes its default.
-The README's settings list is checked against this table by a test. Some variables are also read
-below the controller, which those layers cannot import (`HVD_DATABASE_URL`, `HVD_DB_CONNECT_TIMEOUT`
-and `HVD_DB_STATEMENT_TIMEOUT` in storage/settings.py, `HVD_TOKENIZER` in predictor/tokens.py,
+The reading and parsing is storage/env.py's, the one mechanism every layer uses.
+The list in docs/reference/settings.md is checked against this table by tests/test_settings.py.
+Some variables are also read below the controller, which those layers cannot import
+(`HVD_DATABASE_URL`, `HVD_DB_CONNECT_TIMEOUT` and `HVD_DB_STATEMENT_TIMEOUT` in storage/settings.py, `HVD_TOKENIZER` in predictor/data/tokens.py,
 `HVD_ADMIN_TOKEN` in the dashboard); they are listed here so the table stays the one list of what
 can be set.
 """
 from __future__ import annotations
 
-import importlib
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+# The parsing machinery is storage's (the lowest layer, so storage, predictor and dashboard read
+# their variables the same way); its parsers are re-exported here for the table's users.
+from storage.env import (  # noqa: F401
+    FALSE,
+    TRUE,
+    EnvError,
+    int_at_least,
+    number,
+    one_of,
+    parse_flag,
+    positive_int,
+    read_env,
+    text,
+    whole_seconds,
+)
+from storage.settings import (
+    CONNECT_TIMEOUT_ENV,
+    DEFAULT_CONNECT_TIMEOUT_S,
+    DEFAULT_DATABASE_URL,
+    DEFAULT_STATEMENT_TIMEOUT_S,
+    ENV_VAR as DATABASE_URL_ENV,
+    STATEMENT_TIMEOUT_ENV,
+    parse_connect_timeout,
+    parse_statement_timeout,
+)
 
 
 class SettingsError(ValueError):
     """A setting (environment or engine configuration) that HVD cannot run with."""
-
-
-def parse_flag(raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in TRUE:
-        return True
-    if value in FALSE:
-        return False
-    raise ValueError(f"one of {TRUE + FALSE}")
-
-
-def int_at_least(minimum: int) -> Callable[[str], int]:
-    """A parser of whole numbers >= `minimum` (its error says what is accepted)."""
-    def parse(raw: str) -> int:
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ValueError(f"an integer >= {minimum}") from None
-        if value < minimum:
-            raise ValueError(f"an integer >= {minimum}")
-        return value
-    return parse
-
-
-positive_int = int_at_least(1)
-whole_seconds = int_at_least(0)
-
-
-def number(raw: str) -> float:
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError("a number") from None
-
-
-def text(raw: str) -> str:
-    return raw
-
-
-def one_of(where: str) -> Callable[[str], str]:
-    """A parser accepting the names at `where` ("module:attribute": a tuple of names, or a function
-    returning a dict of them), imported when a value is read so this module stays light."""
-
-    def parse(raw: str) -> str:
-        module, attribute = where.split(":")
-        found = getattr(importlib.import_module(module), attribute)
-        names = tuple(found() if callable(found) else found)
-        if raw not in names:
-            raise ValueError(f"one of {names}")
-        return raw
-
-    return parse
 
 
 @dataclass(frozen=True)
@@ -86,16 +57,18 @@ class Setting:
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("HVD_HYBRID", parse_flag, False, "the vLLM plugin on (off: it imports and patches nothing)"),
-    Setting("HVD_DATABASE_URL", text, None, "SQLAlchemy URL of the database (default sqlite:///var/hvd.db)"),
-    Setting("HVD_DB_CONNECT_TIMEOUT", number, 10.0, "seconds a database connection attempt may take"),
-    Setting("HVD_DB_STATEMENT_TIMEOUT", number, 120.0, "seconds one PostgreSQL statement may run (0: no limit)"),
+    Setting(DATABASE_URL_ENV, text, None, f"SQLAlchemy URL of the database (default {DEFAULT_DATABASE_URL})"),
+    Setting(CONNECT_TIMEOUT_ENV, parse_connect_timeout, DEFAULT_CONNECT_TIMEOUT_S,
+            "seconds a database connection attempt may take"),
+    Setting(STATEMENT_TIMEOUT_ENV, parse_statement_timeout, DEFAULT_STATEMENT_TIMEOUT_S,
+            "seconds one PostgreSQL statement may run (0: no limit)"),
     Setting("HVD_FALLBACK", one_of("controller.core.decision:FALLBACKS"), None,
             "model | none; default from the speculative method"),
     Setting("HVD_MODEL_DRAFT_LEN", positive_int, 3,
             "the longest EAGLE3 draft (the allocator picks k up to it per step; at most the method's K)"),
-    Setting("HVD_COST_PROFILE", one_of("predictor.profiles:cost_profiles"), "cpu-smollm2",
+    Setting("HVD_COST_PROFILE", one_of("predictor.decision.profiles:cost_profiles"), "cpu-smollm2",
             "step-cost profile of the allocator and the goodput rule"),
-    Setting("HVD_DRAFTER_PROFILE", one_of("predictor.profiles:drafter_profiles"), "eagle3-smollm2",
+    Setting("HVD_DRAFTER_PROFILE", one_of("predictor.decision.profiles:drafter_profiles"), "eagle3-smollm2",
             "model-drafter profile: the prior of its live per-workload survival curve"),
     Setting("HVD_MAX_RUNNING", positive_int, None, "back off speculation above this many running requests"),
     Setting("HVD_BACKOFF", one_of("controller.core.decision:BACKOFFS"), "none",
@@ -106,7 +79,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "allocator: HVD (per-step plan over cache prefixes, model draft length, none); binary: the "
             "predicted length against tau, whole drafts; arctic: ArcticInference's score rule (the baseline)"),
     Setting("HVD_EAGLE_WARM", parse_flag, False, "EAGLE drafts one token even in steps without a model draft"),
-    Setting("HVD_DEFAULT_WORKLOAD", one_of("predictor.traces:WORKLOADS"), "chat",
+    Setting("HVD_DEFAULT_WORKLOAD", one_of("storage.workloads:WORKLOADS"), "chat",
             "workload of requests that name none"),
     Setting("HVD_DEFAULT_TENANT", text, "default", "tenant of requests that name none"),
     Setting("HVD_LEARN", parse_flag, True, "the replica holding the learner lock learns online"),
@@ -125,13 +98,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
 def read(name: str, environ: Mapping[str, str] | None = None) -> Any:
     """The parsed value of one setting, or its default when unset or empty."""
     setting = SETTINGS[name]
-    raw = (os.environ if environ is None else environ).get(name)
-    if raw is None or raw.strip() == "":
-        return setting.default
     try:
-        return setting.parse(raw)
-    except ValueError as exc:
-        raise SettingsError(f"{name}={raw!r} is not valid: expected {exc}") from None
+        return read_env(name, setting.parse, setting.default, environ)
+    except EnvError as exc:  # the message names the variable and what it accepts
+        raise SettingsError(str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -160,7 +130,7 @@ class ServingSettings:
 
 
 def markdown() -> str:
-    """The table as a Markdown list (`python -m controller.settings`), for the README."""
+    """The table as a Markdown list (`python -m controller.settings`), for docs/reference/settings.md."""
 
     def shown(value: Any) -> str:
         return "unset" if value is None else str(int(value)) if isinstance(value, bool) else str(value)

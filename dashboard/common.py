@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,6 +16,7 @@ from sqlalchemy.orm import Session
 from dashboard.token_gate import Outcome, TokenGate, Verdict
 from storage import dashboard_queries as q
 from storage.engine import make_engine, masked_url, session_scope
+from storage.env import EnvError, read_env, text, whole_seconds
 from storage.errors import StorageError
 from storage.settings import database_url
 
@@ -72,7 +72,7 @@ def stop_if_empty(session: Session) -> None:
 
 
 def configured_token() -> str | None:
-    token = os.environ.get(ADMIN_TOKEN_ENV)
+    token = read_env(ADMIN_TOKEN_ENV, text)
     if token:
         return token
     try:
@@ -158,18 +158,11 @@ def admin_sidebar() -> Admin:
 def refresh_seconds() -> int:
     """Auto-refresh interval (HVD_DASHBOARD_REFRESH_S, default 30; 0 turns it off). A bad value is
     named on the page and the default used."""
-    raw = os.environ.get(REFRESH_ENV, "").strip()
-    if not raw:
-        return DEFAULT_REFRESH_S
     try:
-        value = int(raw)
-        if value < 0:
-            raise ValueError
-    except ValueError:
-        st.sidebar.warning(f"{REFRESH_ENV}={raw!r} is not a whole number of seconds >= 0; refreshing every "
-                           f"{DEFAULT_REFRESH_S} s.")
+        return read_env(REFRESH_ENV, whole_seconds, DEFAULT_REFRESH_S)
+    except EnvError as exc:  # names the variable and what it accepts
+        st.sidebar.warning(f"{exc}; refreshing every {DEFAULT_REFRESH_S} s.")
         return DEFAULT_REFRESH_S
-    return value
 
 
 def _bound_choice(label: str, key: str, options: list[str], what: str, help: str) -> str:

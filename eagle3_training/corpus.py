@@ -1,6 +1,6 @@
 """Which prompts the drafter learns from and which it is judged on.
 
-The split is the evaluation's own (predictor/split.py): sessions the replay evaluation holds out
+The split is the evaluation's own (predictor/data/split.py): sessions the replay evaluation holds out
 never reach the drafter's training data, so acceptance measured on them is out of sample.
 """
 from __future__ import annotations
@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from predictor.split import test_mask
-from predictor.tokens import TraceTokenizer
-from predictor.traces import TraceRecord
+from predictor.data.split import test_mask
+from predictor.data.tokens import TraceTokenizer
+from predictor.data.traces import TraceRecord
 
 DRAFTER_WORKLOADS = ("agentic", "code_edit", "coding", "sql", "chat")
 
@@ -66,7 +66,7 @@ def prompts(records: Sequence[TraceRecord], held_out: bool, max_prompt_tokens: i
 def held_out_prompts(workloads: Sequence[str], per_workload: int, max_tokens: int = 1000) -> list[tuple[str, list[int]]]:
     """Bundled prompts of the sessions the evaluation holds out (neither the gate nor the EAGLE3
     head trained on them), interleaved across `workloads`: (workload, token ids)."""
-    from predictor.traces import bundled_traces_path, load_traces
+    from predictor.data.traces import bundled_traces_path, load_traces
 
     records, _ = load_traces([bundled_traces_path()])
     chosen = prompts(records, held_out=True, max_prompt_tokens=max_tokens, workloads=workloads,

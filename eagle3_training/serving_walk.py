@@ -93,7 +93,7 @@ def held_out_samples(rows: int | None = None, max_new_tokens: int | None = None)
     from eagle3_training.corpus import prompts
     from eagle3_training.generate import read_samples, run_settings
     from eagle3_training.pipeline import PipelineConfig, _within_budget
-    from predictor.traces import bundled_traces_path, load_traces
+    from predictor.data.traces import bundled_traces_path, load_traces
 
     cfg = PipelineConfig()
     records, _ = load_traces([bundled_traces_path()])

@@ -1,77 +1,22 @@
-"""Warm start: replay traces, split by session/model, train g_theta (a survival gate unless the
-config says point), store it as the champion with its held-out figures."""
+"""Warm start: on replayed traces split by session/model (predictor.replay.dataset), train g_theta (a
+survival gate unless the config says point), store it as the champion with its held-out figures."""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
 
 import numpy as np
 from sqlalchemy import Engine
 
-from predictor.cache_drafter import SuffixConfig
-from predictor.champion import CHAMPION, version_kind
-from predictor.features import schema_hash
-from predictor.metrics import gate_metrics, survival_reliability
-from predictor.mlp import GatePredictor
-from predictor.trace_replay import ReplayResult
-from predictor.trace_replay_cache import DEFAULT_CACHE_DIR, cached_replay, replay_key
-from predictor.split import test_mask
-from predictor.tokens import TraceTokenizer
-from predictor.traces import DEFAULT_MAX_RECORD_BYTES, WORKLOADS, LoadReport, TraceRecord, bundled_traces_path, load_traces
-from predictor.training import LOSS_NAMES, TrainConfig, train_gate
+from predictor.drafting.features import schema_hash
+from predictor.evaluation.gate_quality import metrics_by_workload, survival_reliability
+from predictor.gate.mlp import GatePredictor
+from predictor.gate.registry import CHAMPION, version_kind
+from predictor.gate.training import LOSS_NAMES, TrainConfig, train_gate
+from predictor.replay.dataset import Dataset
 from storage.engine import session_scope
 from storage.versions import create_version, get_alias_version, set_alias
 
 Log = Callable[[str], None]
-
-
-@dataclass
-class Dataset:
-    """Replayed traces plus the split: what both warm start and evaluation work from."""
-
-    records: list[TraceRecord]
-    load_report: LoadReport
-    replay: ReplayResult
-    test_traces: np.ndarray  # bool per record
-    key: str
-
-    def rows(self, test: bool) -> np.ndarray:
-        """Row mask of the split's rows that carry a cache draft (the rows the gate decides on)."""
-        side = self.test_traces[self.replay.trace] if test else ~self.test_traces[self.replay.trace]
-        return side & (self.replay.draft_len > 0)
-
-
-def build_dataset(paths: Sequence[str | Path] | None = None, skip_bad: bool = False, test_fraction: float = 0.25,
-                  seed: int = 0, cache_dir: Path | None = DEFAULT_CACHE_DIR, log: Log = print,
-                  max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Dataset:
-    paths = list(paths) if paths else [bundled_traces_path()]
-    records, report = load_traces(paths, skip_bad=skip_bad, max_record_bytes=max_record_bytes)
-    if report.skipped:
-        log(f"skipped {report.skipped} bad record(s); first: {report.errors[0]}")
-    if not records:
-        raise ValueError(f"no trace records in {', '.join(map(str, paths))}")
-    log(f"loaded {len(records)} records from {', '.join(map(str, paths))}")
-    tokenizer = TraceTokenizer()
-    step = max(1, len(records) // 20)
-
-    def progress(done: int, total: int) -> None:
-        if done % step == 0 or done == total:
-            log(f"  replay {done}/{total} traces")
-
-    result = cached_replay(records, tokenizer, SuffixConfig(), cache_dir, progress)
-    log(f"replayed {result.rows} output positions ({int((result.draft_len > 0).sum())} cache drafts)")
-    return Dataset(records, report, result, test_mask(records, test_fraction, seed),
-                   replay_key(records, SuffixConfig()))
-
-
-def metrics_by_workload(predicted: np.ndarray, label: np.ndarray, workload: np.ndarray) -> dict:
-    out = {"overall": gate_metrics(predicted, label), "by_workload": {}}
-    for i, name in enumerate(WORKLOADS):
-        sel = workload == i
-        if sel.any():
-            out["by_workload"][name] = gate_metrics(predicted[sel], label[sel])
-    return out
 
 
 def training_summary(data: Dataset, config: TrainConfig, train_loss: float) -> dict:

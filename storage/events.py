@@ -106,19 +106,6 @@ def _ascii(text: str) -> str:
     return text.encode("ascii", "backslashreplace").decode().replace("\x00", "\\x00")
 
 
-def count_dead_letters(session: Session) -> int:
-    from storage.models import DeadLetterEvent
-
-    return int(session.scalar(select(func.count()).select_from(DeadLetterEvent)) or 0)
-
-
-def count_events(session: Session, **filters: Any) -> int:
-    stmt = select(func.count()).select_from(DecisionEvent)
-    for name, value in filters.items():
-        stmt = stmt.where(getattr(DecisionEvent, name) == value)
-    return int(session.scalar(stmt) or 0)
-
-
 def count_cache_drafts_since(session: Session, workload: str, since: datetime) -> int:
     """Labelled cache drafts of `workload` stored after `since` (what a rollback watch counts)."""
     stmt = select(func.count()).select_from(DecisionEvent).where(

@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 
 from sqlalchemy import Connection, Engine, insert, text, update
@@ -149,7 +150,9 @@ class PgAdvisoryLeaderLock(LeaderLock):
 
 class LeaseLeaderLock(LeaderLock):
     def __init__(self, engine: Engine, name: str, holder: str | None = None, ttl: float = 10.0,
-                 auto_renew: bool = True) -> None:
+                 auto_renew: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: the monotonic seconds the lease's local validity is measured in (tests pass a fake
+        one to expire a lease without waiting for it). The row's expires_at is wall-clock UTC."""
         if ttl <= 0:
             raise ValueError(f"ttl must be > 0, got {ttl}")
         self.engine = engine
@@ -157,17 +160,18 @@ class LeaseLeaderLock(LeaderLock):
         self.holder = holder or default_holder()
         self.ttl = ttl
         self.auto_renew = auto_renew
-        self._valid_until = 0.0  # monotonic; the lease is surely ours before this
+        self.clock = clock
+        self._valid_until = 0.0  # on self.clock; the lease is surely ours before this
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     @property
     def is_leader(self) -> bool:
-        return time.monotonic() < self._valid_until
+        return self.clock() < self._valid_until
 
     def _take(self) -> bool:
-        started = time.monotonic()  # conservative: the lease runs from before the statement
+        started = self.clock()  # conservative: the lease runs from before the statement
         now = utcnow()
         expires = now + timedelta(seconds=self.ttl)
         try:

@@ -31,12 +31,6 @@ def add_learning_room(session: Session, *, at: datetime, workload: str, predicto
     return row
 
 
-def list_learning_room(session: Session, limit: int | None = None) -> list[LearningRoom]:
-    """Newest first."""
-    stmt = select(LearningRoom).order_by(LearningRoom.id.desc())
-    return list(session.scalars(stmt if limit is None else stmt.limit(limit)))
-
-
 def latest_learning_room(session: Session) -> list[LearningRoom]:
     """Each workload's newest measurement, by workload."""
     newest = select(func.max(LearningRoom.id)).group_by(LearningRoom.workload)

@@ -62,10 +62,3 @@ def current_revision(engine: Engine) -> str | None:
     """Revision stamped in the database, or None if never migrated."""
     with engine.connect() as conn:
         return MigrationContext.configure(conn).get_current_revision()
-
-
-def head_revision() -> str | None:
-    """Newest revision shipped with this code, to detect a stale database."""
-    from alembic.script import ScriptDirectory
-
-    return ScriptDirectory.from_config(alembic_config()).get_current_head()

@@ -211,7 +211,7 @@ class SurvivalCalibration(Base):
     workload: Mapped[str] = mapped_column(String(MAX_WORKLOAD_LEN), nullable=False)
     tenant: Mapped[str] = mapped_column(String(MAX_TENANT_LEN), nullable=False)  # "": the whole workload
     predictor_version_id: Mapped[int] = mapped_column(Integer, nullable=False)  # the outputs it corrects
-    params: Mapped[dict[str, Any]] = mapped_column(JSON, nullable=False)  # predictor.calibration.Calibration.to_json
+    params: Mapped[dict[str, Any]] = mapped_column(JSON, nullable=False)  # predictor.gate.calibration.Calibration.to_json
     events: Mapped[int] = mapped_column(Integer, nullable=False)
     reason: Mapped[str] = mapped_column(Text, nullable=False)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, default=utcnow)

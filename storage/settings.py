@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError, NoSuchModuleError
-
+from storage.env import read_env, seconds_between, stripped
 from storage.errors import StorageError
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import URL
 
 # Relative on purpose: resolved against the working directory at connect time,
 # so running from a checkout keeps the data next to it.
@@ -20,6 +22,10 @@ CONNECT_TIMEOUT_ENV = "HVD_DB_CONNECT_TIMEOUT"
 STATEMENT_TIMEOUT_ENV = "HVD_DB_STATEMENT_TIMEOUT"
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_STATEMENT_TIMEOUT_S = 120.0  # long enough for a dashboard query over a busy table
+MAX_TIMEOUT_S = 86400.0
+# The timeouts' parsers (controller/settings.py's table reads the variables with them too).
+parse_connect_timeout = seconds_between(1.0, MAX_TIMEOUT_S)
+parse_statement_timeout = seconds_between(0.0, MAX_TIMEOUT_S)  # 0: no limit
 
 
 class DatabaseUrlError(StorageError, ValueError):
@@ -36,21 +42,10 @@ class Timeouts:
 
     @classmethod
     def from_env(cls) -> Timeouts:
-        return cls(_seconds(CONNECT_TIMEOUT_ENV, DEFAULT_CONNECT_TIMEOUT_S, minimum=1.0),
-                   _seconds(STATEMENT_TIMEOUT_ENV, DEFAULT_STATEMENT_TIMEOUT_S, minimum=0.0))
-
-
-def _seconds(name: str, default: float, minimum: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise StorageError(f"${name} = {raw!r} is not a number of seconds") from None
-    if not minimum <= value <= 86400:  # also refuses nan
-        raise StorageError(f"${name} = {raw!r} must be between {minimum:g} and 86400 seconds")
-    return value
+        """From $HVD_DB_CONNECT_TIMEOUT and $HVD_DB_STATEMENT_TIMEOUT (storage.env.EnvError, a
+        StorageError, for a bad value)."""
+        return cls(read_env(CONNECT_TIMEOUT_ENV, parse_connect_timeout, DEFAULT_CONNECT_TIMEOUT_S),
+                   read_env(STATEMENT_TIMEOUT_ENV, parse_statement_timeout, DEFAULT_STATEMENT_TIMEOUT_S))
 
 
 def database_url(explicit: str | None = None) -> str:
@@ -58,11 +53,11 @@ def database_url(explicit: str | None = None) -> str:
 
     An explicit URL that is empty is refused, not replaced by the default: ``--db ""`` silently
     writing to ./var/hvd.db is how data ends up in the wrong place. An empty environment variable
-    counts as unset, as for every HVD_* variable (controller.settings).
+    counts as unset, as for every HVD_* variable (storage.env).
     """
     if explicit is not None:
         return check_database_url(explicit, "database URL")
-    env = os.environ.get(ENV_VAR, "").strip()
+    env = read_env(ENV_VAR, stripped)
     if env:
         return check_database_url(env, f"${ENV_VAR}")
     return check_database_url(DEFAULT_DATABASE_URL, "default database URL")
@@ -72,6 +67,9 @@ def check_database_url(url: str, source: str = "database URL") -> str:
     """``url`` if it can be used: parseable, a dialect and driver that are installed, and for a
     SQLite file a directory that exists (created if missing) and is writable. Otherwise
     :class:`DatabaseUrlError` with one line naming ``source``."""
+    from sqlalchemy.engine import make_url  # here: controller/settings.py reads this module's constants, cheaply
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
     if not isinstance(url, str) or not url.strip():
         raise DatabaseUrlError(f"{source} is empty; give a SQLAlchemy URL such as {DEFAULT_DATABASE_URL}")
     try:

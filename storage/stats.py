@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from datetime import datetime, timezone
 from typing import Protocol
 
-from sqlalchemy import literal_column, select
+from sqlalchemy import literal_column
 from sqlalchemy.orm import Session
 
 from storage.limits import MAX_TENANT_LEN, MAX_WORKLOAD_LEN, text_problem
@@ -237,20 +237,6 @@ def upsert_buckets(session: Session, deltas: Mapping[BucketKey, BucketDelta]) ->
         set_["accepted_hist"] = hist_sql
         session.execute(stmt.on_conflict_do_update(index_elements=list(KEY_COLUMNS), set_=set_))
     return len(rows)
-
-
-def read_buckets(session: Session, since: datetime | None = None, tenant: str | None = None,
-                 workload: str | None = None) -> list[StatBucket]:
-    """Bucket rows (bucket_start >= since, optionally one tenant/workload), oldest first."""
-    stmt = select(StatBucket).order_by(StatBucket.bucket_start, StatBucket.tenant, StatBucket.workload,
-                                       StatBucket.predictor_version_id)
-    if since is not None:
-        stmt = stmt.where(StatBucket.bucket_start >= since)
-    if tenant is not None:
-        stmt = stmt.where(StatBucket.tenant == tenant)
-    if workload is not None:
-        stmt = stmt.where(StatBucket.workload == workload)
-    return list(session.scalars(stmt))
 
 
 def prune_events(session: Session, keep_last: int) -> int:

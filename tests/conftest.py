@@ -1,9 +1,11 @@
 """Database fixtures shared by the storage tests: every test runs on SQLite and on the real
-PostgreSQL server, each PostgreSQL test in a throwaway schema. And the markers that let
+PostgreSQL server, each PostgreSQL test in a throwaway schema; for `db`, a copy of a database migrated
+once per session (SQLite: the file copied; PostgreSQL: the migrations' SQL, made once, replayed). And the markers that let
 `make test-fast` leave out what needs vLLM, the PostgreSQL server or Chromium."""
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +14,7 @@ import pytest
 from hypothesis import settings
 from sqlalchemy import Engine, create_engine, make_url, text
 from sqlalchemy.exc import OperationalError
+from sqlalchemy.pool import NullPool
 
 # Property tests check values, not speed: a per-example deadline fails them on a busy shared machine.
 settings.register_profile("hvd", deadline=None)
@@ -49,23 +52,112 @@ def postgres_schema_url() -> Iterator[str]:
         admin.dispose()
 
 
+# A schema's definition, names of the schema left out: what the migrations made, to compare two schemas.
+_SCHEMA_DEFINITION = text("""
+    SELECT 'column', table_name || '.' || column_name || ' ' || data_type || ' ' || is_nullable || ' '
+                     || coalesce(character_maximum_length::text, '') || ' ' || coalesce(column_default, '')
+      FROM information_schema.columns WHERE table_schema = current_schema()
+    UNION ALL
+    SELECT 'constraint', conrelid::regclass::text || ' ' || conname || ' ' || pg_get_constraintdef(oid)
+      FROM pg_constraint WHERE connamespace = current_schema()::regnamespace
+    UNION ALL
+    SELECT 'index', replace(indexdef, current_schema() || '.', '')
+      FROM pg_indexes WHERE schemaname = current_schema()
+    UNION ALL
+    SELECT 'revision', version_num FROM alembic_version
+    ORDER BY 1, 2""")
+
+
+@pytest.fixture(scope="session")
+def _migrated_postgres_sql() -> str:
+    """The migrations to head as one SQL script (Alembic's offline mode), made once per session: a
+    fresh schema plus this script is a copy of a migrated one, in about half the migrations' time.
+    Checked once per session against a schema migrated for real (same tables, columns, constraints,
+    indexes and revision), so a migration the script cannot replay fails here, not silently."""
+    import io
+
+    from alembic import command
+
+    from storage.engine import make_engine
+    from storage.migrate import alembic_config, upgrade
+
+    config = alembic_config()
+    config.output_buffer = io.StringIO()
+    config.set_main_option("sqlalchemy.url", PG_URL)
+    command.upgrade(config, "head", sql=True)
+    script = config.output_buffer.getvalue()
+    definitions = []
+    for migrate in (lambda url: upgrade(url), lambda url: _run_script(url, script)):
+        urls = postgres_schema_url()
+        url = next(urls)
+        try:
+            migrate(url)
+            engine = make_engine(url)
+            try:
+                with engine.connect() as conn:
+                    definitions.append(conn.execute(_SCHEMA_DEFINITION).all())
+            finally:
+                engine.dispose()
+        finally:
+            urls.close()
+    assert definitions[0] == definitions[1], "the offline migration script does not make the migrated schema"
+    return script
+
+
+def _run_script(url: str, script: str) -> None:
+    engine = create_engine(url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql(script)  # its own BEGIN ... COMMIT
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def _migrated_sqlite(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite file migrated to head once per session; every SQLite `db` is a copy of it."""
+    from storage.engine import make_engine
+    from storage.migrate import upgrade
+
+    path = tmp_path_factory.mktemp("migrated") / "hvd.db"
+    engine = make_engine(f"sqlite:///{path}")
+    try:
+        upgrade(engine)
+    finally:
+        engine.dispose()  # the last connection closed checkpoints the WAL into the file and removes it
+    assert not path.with_name("hvd.db-wal").exists(), "the migrated template still has a WAL: copy would miss it"
+    return path
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A database of the test's own on SQLite or PostgreSQL. Empty, unless the test also uses `db`:
+    then a fresh copy of a database migrated to head once per session (so a test that checks the
+    migrations themselves asks for db_url alone and still runs them)."""
+    migrated = "db" in request.fixturenames
     if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'hvd.db'}"
+        path = tmp_path / "hvd.db"
+        if migrated:
+            shutil.copy(request.getfixturevalue("_migrated_sqlite"), path)
+        yield f"sqlite:///{path}"
     else:
-        yield from postgres_schema_url()
+        urls = postgres_schema_url()
+        url = next(urls)
+        try:
+            if migrated:
+                _run_script(url, request.getfixturevalue("_migrated_postgres_sql"))
+            yield url
+        finally:
+            urls.close()  # drops the schema
 
 
 @pytest.fixture
 def db(db_url: str) -> Iterator[Engine]:
-    """An engine on db_url with the schema at head."""
+    """An engine on db_url, whose database is a copy of one at head (see db_url)."""
     from storage.engine import make_engine
-    from storage.migrate import upgrade
 
     engine = make_engine(db_url)
     try:
-        upgrade(engine)
         yield engine
     finally:
         engine.dispose()
@@ -96,15 +188,18 @@ def _keep_main_module() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from predictor.tokens import TraceTokenizer
+    from predictor.data.tokens import TraceTokenizer
 
     return TraceTokenizer()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def records():
-    """Three bundled traces of every source: each source's prompts and outputs, quickly."""
-    from predictor.traces import bundled_traces_path, load_traces
+    """Three bundled traces of every source: each source's prompts and outputs. Loaded once per
+    session (the modules using it share the list: TraceRecords are frozen, and no test mutates the
+    list). All 10,351 are read: the first three of a source in arrival order (load_traces sorts by
+    session) are only known at the end (the last source's third record is line 10,302 of 10,351)."""
+    from predictor.data.traces import bundled_traces_path, load_traces
 
     recs, _ = load_traces([bundled_traces_path()])
     seen: dict[str, int] = {}
@@ -120,14 +215,14 @@ def records():
 def record_drafts(monkeypatch):
     """Spy on the suffix cache: `record_drafts(runtime)` returns a dict, filled as the runtime
     drafts, of every non-empty cache draft by (request id, output position)."""
-    from predictor.cache_drafter import CacheDrafter
+    from predictor.drafting.cache_drafter import CacheDrafter
 
     def start(runtime) -> dict[tuple[str, int], list[int]]:
         drafts: dict[tuple[str, int], list[int]] = {}
         original = CacheDrafter.draft
 
-        def spy(self, req_id, context, max_spec_tokens=None):
-            d = original(self, req_id, context, max_spec_tokens)
+        def spy(self, req_id, context):
+            d = original(self, req_id, context)
             if d.length:
                 drafts[(req_id, len(context) - runtime.requests[req_id].hindsight.prompt_len)] = d.token_ids
             return d

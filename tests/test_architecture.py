@@ -1,7 +1,8 @@
 """Dependencies point one way: controller -> predictor -> storage, dashboard -> storage (and the pure
-cost model of predictor). Every import
-in the packages counts, lazy ones inside functions too (ast.walk sees them), and every import of a
-project module must name one that exists (a lazy import left behind by a move fails only when run)."""
+cost model of predictor); inside the predictor, its sub-packages point one way too (PREDICTOR_LAYERS),
+and controller.core (serving) imports only the serving sub-packages. Every import in the packages
+counts, lazy ones inside functions too (ast.walk sees them), and every import of a project module
+must name one that exists (a lazy import left behind by a move fails only when run)."""
 from __future__ import annotations
 
 import ast
@@ -16,10 +17,26 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "predictor": ("storage",),
     "controller": ("predictor", "storage"),
     # The dashboard prices traffic with the cost profiles and counterfactuals (pure code), never the controller.
-    "dashboard": ("storage", "predictor.profiles", "predictor.baselines"),
+    "dashboard": ("storage", "predictor.decision.profiles", "predictor.evaluation.baselines"),
     # The EAGLE3 trainer starts vLLM the way the engines do and reads the bundled traces.
     "eagle3_training": ("controller.engines", "predictor", "storage"),
 }
+# predictor sub-package (or top-level module) -> the other predictor sub-packages it may import;
+# storage is open to every one of them. drafting and gate import no predictor.data: serving needs neither
+# the trace loader nor the tokenizer.
+PREDICTOR_LAYERS: dict[str, tuple[str, ...]] = {
+    "__init__": (),
+    "data": (),
+    "decision": (),  # pure code: profiles, allocator, binary rule
+    "drafting": (),
+    "gate": ("drafting",),
+    "replay": ("data", "drafting"),
+    "evaluation": ("data", "drafting", "gate", "decision", "replay"),
+    "online": ("data", "drafting", "gate", "decision", "replay", "evaluation"),
+    "warmstart": ("data", "drafting", "gate", "decision", "replay", "evaluation", "online"),
+}
+# What controller.core, the per-step runtime the engines call, may import of the predictor.
+SERVING: tuple[str, ...] = ("drafting", "gate", "decision")
 
 
 def project_imports() -> Iterator[tuple[str, str, str, list[str]]]:
@@ -93,3 +110,63 @@ def test_project_imports_name_existing_modules() -> None:
             if name != "*" and _source(f"{module}.{name}") is None and name not in _defined_names(source):
                 missing.append(f"{where}: {module} has no {name}")
     assert not missing, "imports of project modules that do not exist:\n" + "\n".join(missing)
+
+
+def _targets(module: str, names: list[str]) -> list[str]:
+    """The modules an import reaches: `from predictor import gate` reaches predictor.gate."""
+    return [f"{module}.{n}" for n in names] if module in ALLOWED else [module]
+
+
+def predictor_layer(module: str) -> str | None:
+    """The PREDICTOR_LAYERS key of a predictor module (None: not under the predictor)."""
+    parts = module.split(".")
+    if parts[0] != "predictor":
+        return None
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def layer_allowed(layer: str, module: str, names: list[str]) -> bool:
+    for target in _targets(module, names):
+        to = predictor_layer(target)
+        if to is not None and to != layer and to not in PREDICTOR_LAYERS[layer]:
+            return False
+    return True
+
+
+def serving_allowed(module: str, names: list[str]) -> bool:
+    return all(predictor_layer(t) in (None, *SERVING) for t in _targets(module, names))
+
+
+def _module_of(where: str) -> str:
+    return where.split(":")[0].removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+def test_every_predictor_module_is_in_the_layer_table() -> None:
+    unknown = sorted({str(p.relative_to(ROOT)) for p in (ROOT / "predictor").rglob("*.py")
+                      if predictor_layer(_module_of(str(p.relative_to(ROOT)))) not in PREDICTOR_LAYERS})
+    assert not unknown, f"predictor modules outside PREDICTOR_LAYERS (add their sub-package): {unknown}"
+
+
+def test_predictor_sub_packages_import_one_way() -> None:
+    bad = [f"{where}: predictor.{layer} imports {module}{' (' + ', '.join(names) + ')' if names else ''}"
+           for package, where, module, names in project_imports() if package == "predictor"
+           for layer in [predictor_layer(_module_of(where))] if not layer_allowed(layer, module, names)]
+    assert not bad, "imports against the predictor's sub-package order (PREDICTOR_LAYERS):\n" + "\n".join(bad)
+
+
+def test_serving_imports_only_the_serving_sub_packages() -> None:
+    bad = [f"{where}: imports {module}{' (' + ', '.join(names) + ')' if names else ''}"
+           for _, where, module, names in project_imports()
+           if where.startswith("controller/core/") and not serving_allowed(module, names)]
+    assert not bad, f"controller.core may import only predictor.{{{', '.join(SERVING)}}}:\n" + "\n".join(bad)
+
+
+def test_the_layer_checks_refuse_wrong_way_imports() -> None:
+    assert layer_allowed("online", "predictor.gate.mlp", ["GatePredictor"])
+    assert layer_allowed("gate", "predictor.gate.registry", ["load_gate"])
+    assert not layer_allowed("gate", "predictor.online.learner", ["Batch"])
+    assert not layer_allowed("drafting", "predictor.data.tokens", ["TraceTokenizer"])
+    assert not layer_allowed("decision", "predictor", ["drafting"])
+    assert serving_allowed("predictor.decision.allocator", ["allocate"]) and serving_allowed("storage.workloads", [])
+    assert not serving_allowed("predictor.online.learner", ["Batch"])
+    assert not serving_allowed("predictor.data.traces", ["TraceRecord"])

@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dashboard.charts import segments
-from predictor.baselines import CacheDraft, cycle_ms, model_alone, no_speculation, path_cost, suffix_alone
-from predictor.profiles import CostProfile, DrafterProfile
+from predictor.decision.profiles import CostProfile, DrafterProfile
+from predictor.evaluation.baselines import LabelledDraft, cycle_ms, model_alone, no_speculation, path_cost, suffix_alone
 
 # batch 1: a step verifying q tokens costs 10 + 2 q ms; a model draft of k positions 1 + 0.5 k ms
 FLAT = CostProfile("flat", base_ms=10.0, per_token_ms=2.0, draft_token_ms=0.5, draft_call_ms=1.0)
@@ -28,7 +28,7 @@ def test_a_cycle_is_priced_by_the_tokens_it_verifies():
 
 def test_suffix_alone_walks_each_request_verifying_whole_drafts():
     drafts = [  # request a: a draft at every position 0..9; b: drafts at 0 and 2 only
-        *(CacheDraft("a", p, 4, 3 if p in (0, 4) else 0) for p in range(10)),
+        *(LabelledDraft("a", p, 4, 3 if p in (0, 4) else 0) for p in range(10)),
         ("b", 0, 2, 2), ("b", 2, 6, 6),
     ]
     cost = suffix_alone(drafts, FLAT, 1)

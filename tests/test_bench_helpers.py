@@ -2,7 +2,6 @@
 targets) and the LD_PRELOAD the vLLM processes start with. No engine runs here."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,8 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
+# bench/ is on sys.path through pytest's pythonpath (pyproject.toml).
 import eagle3_train_step  # noqa: E402
 import eagle_overhead  # noqa: E402
 import measure  # noqa: E402

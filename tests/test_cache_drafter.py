@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from arctic_inference.suffix_decoding import SuffixDecodingCache
 
-from predictor.cache_drafter import TREE_GLOBAL, TREE_NONE, TREE_PROMPT, CacheDrafter, SuffixConfig
-from predictor.features import NUM_FEATURES
-from predictor.labels import lcp
-from predictor.trace_replay import replay
-from predictor.tokens import TraceTokenizer
-from predictor.traces import bundled_traces_path, parse_record
+from predictor.data.tokens import TraceTokenizer
+from predictor.data.traces import bundled_traces_path, parse_record
+from predictor.drafting.cache_drafter import TREE_GLOBAL, TREE_NONE, TREE_PROMPT, CacheDrafter, SuffixConfig
+from predictor.drafting.common_prefix import lcp
+from predictor.drafting.features import NUM_FEATURES
+from predictor.replay.trace_replay import replay
 
 PHRASE = [101, 102, 103, 104, 105, 106, 107, 108]
 
@@ -48,7 +48,6 @@ def test_finished_response_drafts_for_another_request_from_global_tree():
     drafter.start("a", np.array([1, 2, 3], dtype=np.int32))
     drafter.extend("a", response)
     drafter.stop("a")
-    assert drafter.active_requests == frozenset()
     prompt = np.array([5, 6, 7] + response[:10], dtype=np.int32)
     drafter.start("b", prompt)
     d = drafter.draft("b", prompt)
@@ -165,16 +164,17 @@ def test_best_draft_equals_suffix_decoding_cache_speculate(tokenised):
     assert nonempty > 100 and from_prompt > 0 and from_global > 0
 
 
-def test_max_spec_tokens_caps_the_draft(tokenised):
-    drafter = CacheDrafter()
+def test_num_speculative_tokens_caps_the_draft(tokenised):
+    drafter, capped = CacheDrafter(), CacheDrafter(SuffixConfig(num_speculative_tokens=3))
     prompt, out = tokenised[0]
-    drafter.start("r", prompt)
-    drafter.extend("r", out)
+    for d in (drafter, capped):
+        d.start("r", prompt)
+        d.extend("r", out)
     seq = np.concatenate([prompt, out]).astype(np.int32)
     lengths = []
     for t in range(10, len(seq), 7):
         full = drafter.draft("r", seq[:t])
-        short = drafter.draft("r", seq[:t], max_spec_tokens=3)
+        short = capped.draft("r", seq[:t])
         assert full.length <= 24 and short.length <= 3
         assert short.token_ids == full.token_ids[: short.length]
         lengths.append(full.length)

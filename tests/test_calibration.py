@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from predictor.calibration import (Calibration, CalibrationConfig, CalibrationError, Calibrator, apply, conditional,
-                                   fit_position)
-from predictor.mlp import SURVIVAL_K
-from predictor.traces import WORKLOADS
+from predictor.gate.calibration import Calibration, CalibrationError, apply, conditional
+from predictor.gate.mlp import SURVIVAL_K
+from predictor.online.calibrator import CalibrationConfig, Calibrator, fit_position
+from storage.workloads import WORKLOADS
 
 K = SURVIVAL_K
 
@@ -94,7 +94,7 @@ def test_newton_with_no_signal_stays_at_the_identity_and_from_json_names_what_is
 
 def test_the_refit_takes_the_shift_the_score_prefers_and_the_smaller_one_on_a_tie():
     """The shift is chosen by what the caller's counterfactual score says it buys, not by the log loss."""
-    from predictor.calibration import ScopeFitter
+    from predictor.online.calibrator import ScopeFitter
 
     n = 400
     draft_len = np.full(n, 8)

@@ -16,10 +16,11 @@ from sqlalchemy import text
 from controller.core.decision import DecisionConfig
 from controller.core.runtime import Runtime
 from controller.services.control_poller import ControlPoller
-from predictor.champion import CHAMPION, load_gate, promote, unloadable_reason
-from predictor.features import NUM_FEATURES, schema_hash
-from predictor.mlp import MLP, BlobError, GatePredictor
-from predictor.tokens import TraceTokenizer
+from predictor.data.tokens import TraceTokenizer
+from predictor.drafting.features import NUM_FEATURES, schema_hash
+from predictor.drafting.token_classes import token_classes
+from predictor.gate.mlp import MLP, BlobError, GatePredictor
+from predictor.gate.registry import CHAMPION, load_gate, promote, unloadable_reason
 from storage import dashboard_queries as q
 from storage.engine import make_engine, session_scope
 from storage.migrate import upgrade
@@ -121,7 +122,7 @@ def test_cli_rollback_refuses_with_exit_2_and_versions_marks_it(world):
 
 def test_poller_keeps_the_last_good_gate_and_still_applies_overrides(world, caplog):
     engine, _, (v1, v2, v3, v4, v5) = world
-    runtime = Runtime(_gate(0), TraceTokenizer().classes, DecisionConfig(), version_id=v1)
+    runtime = Runtime(_gate(0), token_classes(TraceTokenizer()), DecisionConfig(), version_id=v1)
     poller = ControlPoller(engine, runtime)
     assert poller.poll_once() and runtime.version_id == v1 and poller.champion_problem is None
     old_gate = runtime.gate

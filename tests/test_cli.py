@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from trace_subset import write_subset
+from support.trace_subset import write_subset
 
 ROOT = Path(__file__).resolve().parents[1]
 HVD = Path(sys.executable).with_name("hvd")
@@ -56,7 +56,7 @@ def test_eval_writes_the_report(work, warm_db):
     assert "SIMULATED" in run.stdout and f"report written to {out}" in run.stdout
     report = json.loads(out.read_text())
     assert report["predictor_version"] == 1
-    with open(ROOT / "predictor" / "profiles.toml", "rb") as fh:
+    with open(ROOT / "predictor" / "decision" / "profiles.toml", "rb") as fh:
         import tomllib
 
         profiles = set(tomllib.load(fh)["drafter"])

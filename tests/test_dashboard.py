@@ -16,7 +16,7 @@ from streamlit.testing.v1 import AppTest  # noqa: E402
 
 from controller.cli.serve_traces import ReplayServeOptions, round_robin_sources, serve_replay  # noqa: E402
 from dashboard.token_gate import Limits, Outcome, TokenGate, Verdict  # noqa: E402
-from predictor.traces import load_traces  # noqa: E402
+from predictor.data.traces import load_traces  # noqa: E402
 from storage.engine import make_engine, session_scope  # noqa: E402
 from storage.migrate import upgrade  # noqa: E402
 from storage.models import (  # noqa: E402
@@ -32,7 +32,7 @@ from storage.models import (  # noqa: E402
 from storage.overrides import list_overrides, snapshot  # noqa: E402
 from storage.stats import ALL, HIST_BINS  # noqa: E402
 from storage.versions import create_version, get_alias_version, set_alias  # noqa: E402
-from trace_subset import champion_database  # noqa: E402
+from support.trace_subset import champion_database  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ROOT / "dashboard" / "views"

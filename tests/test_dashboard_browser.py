@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from predictor.drafting.token_classes import token_classes
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = Path("/usr/bin/chromium")
@@ -228,8 +229,8 @@ def test_override_set_through_the_form_with_confirmation(app_url, browser):
     from controller.core.decision import DecisionConfig
     from controller.core.runtime import Runtime
     from controller.services.control_poller import ControlPoller
-    from gates import random_survival_gate
-    from predictor.tokens import TraceTokenizer
+    from support.gates import random_survival_gate
+    from predictor.data.tokens import TraceTokenizer
     from storage.engine import make_engine, session_scope
     from storage.models import TauOverride
 
@@ -266,7 +267,7 @@ def test_override_set_through_the_form_with_confirmation(app_url, browser):
             row = s.query(TauOverride).filter_by(tenant="browser-tenant").one()
             assert (row.workload, row.mode, row.tau, row.author, row.reason) == ("sql", "fixed", 4.5, "carol",
                                                                                   "browser test")
-        runtime = Runtime(random_survival_gate(), TraceTokenizer().classes, DecisionConfig())
+        runtime = Runtime(random_survival_gate(), token_classes(TraceTokenizer()), DecisionConfig())
         assert ControlPoller(engine, runtime).poll_once()  # what a serving replica resolves
         eff = runtime.controls.overrides.resolve("browser-tenant", "sql", 1.0, 1.0, row.created_at)
         assert (eff.source, eff.mode, eff.tau) == ("override:tenant+workload", "fixed", 4.5)

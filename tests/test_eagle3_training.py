@@ -11,12 +11,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
+from controller.engines import vllm_engine as ve
 from eagle3_training.corpus import DRAFTER_WORKLOADS, render, select
 from eagle3_training.generate import Sample, read_samples
 from eagle3_training.hidden_states import HiddenStateReader, training_row
 from eagle3_training.pipeline import PipelineConfig, run
-from predictor.traces import bundled_traces_path, load_traces
-from controller.engines import vllm_engine as ve
+from predictor.data.traces import bundled_traces_path, load_traces
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def records():
 
 
 def test_training_and_held_out_prompts_are_disjoint_and_balanced(records):
-    from predictor.split import test_mask
+    from predictor.data.split import test_mask
 
     train, held = select(records, False), select(records, True)
     in_test = {r.trace_id for r, t in zip(records, test_mask(records)) if t}
@@ -38,7 +38,7 @@ def test_training_and_held_out_prompts_are_disjoint_and_balanced(records):
 
 
 def test_plain_prompts_become_one_chat_turn(records):
-    from predictor.tokens import TraceTokenizer
+    from predictor.data.tokens import TraceTokenizer
 
     plain = next(r for r in records if isinstance(r.context, str))
     tokenizer = TraceTokenizer()

@@ -6,13 +6,14 @@ import json
 import numpy as np
 import pytest
 
-from predictor.evaluation import (BINARY_MARGIN, RELIABILITY_KEY, checks, evaluate, format_table, parse_settings)
-from predictor.features import NUM_FEATURES
-from predictor.profiles import DrafterProfile, ProfileError, cost_profiles
-from predictor.simulator import POLICIES
-from predictor.trace_replay import ReplayResult
-from predictor.traces import WORKLOADS, LoadReport
-from predictor.warmstart import Dataset
+from predictor.data.traces import LoadReport
+from predictor.decision.profiles import DrafterProfile, ProfileError, cost_profiles
+from predictor.drafting.features import NUM_FEATURES
+from predictor.evaluation.report import (BINARY_MARGIN, RELIABILITY_KEY, checks, evaluate, format_table, parse_settings)
+from predictor.evaluation.simulator import POLICIES
+from predictor.replay.dataset import Dataset
+from predictor.replay.trace_replay import ReplayResult
+from storage.workloads import WORKLOADS
 
 SETTING_KEYS = {"cpu-smollm2/b1", "cpu-smollm2/b8", "gpu-8b/b1", "gpu-8b/b64"}
 FIGURE_KEYS = {"cycles_per_1k", "tokens_per_cycle", "wasted_per_1k", "speedup", "cache_share", "ms_per_1k"}

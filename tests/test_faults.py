@@ -10,25 +10,26 @@ import pytest
 import torch
 from sqlalchemy import create_engine
 
-from controller.services.control_poller import ControlPoller
 from controller.core.decision import DecisionConfig
 from controller.core.events import EventQueue, LabelledEvent
-from controller.services.event_writer import EventWriter
-from controller.engines.trace_engine import run_replay
 from controller.core.runtime import Runtime
+from controller.engines.trace_engine import run_replay
+from controller.services.control_poller import ControlPoller
+from controller.services.event_writer import EventWriter
 from controller.services.stats_writer import StatsWriter
-from predictor.champion import store_champion
-from predictor.features import NUM_FEATURES, schema_hash
-from predictor.mlp import MLP, GatePredictor
-from predictor.profiles import drafter_profiles
-from predictor.tokens import TraceTokenizer
-from predictor.traces import bundled_traces_path, load_traces
+from predictor.data.tokens import TraceTokenizer
+from predictor.data.traces import bundled_traces_path, load_traces
+from predictor.decision.profiles import drafter_profiles
+from predictor.drafting.features import NUM_FEATURES, schema_hash
+from predictor.drafting.token_classes import token_classes
+from predictor.gate.mlp import MLP, GatePredictor
+from predictor.gate.registry import store_champion
 from storage.engine import make_engine, session_scope
-from storage.events import count_dead_letters, count_events, list_events
-from storage.models import DeadLetterEvent
+from storage.events import list_events
+from support import rows as readback
 from storage.migrate import upgrade
+from storage.models import DeadLetterEvent
 from storage.overrides import OverrideSpec, set_override
-from storage.stats import read_buckets
 
 
 @pytest.fixture()
@@ -53,7 +54,7 @@ def world(tmp_path):
 def test_database_down_then_back(world):
     engine, down, gate, records, tokenizer = world
     stats = StatsWriter(down, flush_interval=0.0, max_pending_keys=1)
-    runtime = Runtime(gate, tokenizer.classes, DecisionConfig(), version_id=1, stats_sink=stats)
+    runtime = Runtime(gate, token_classes(tokenizer), DecisionConfig(), version_id=1, stats_sink=stats)
     poller = ControlPoller(engine, runtime)
     assert poller.poll_once() and len(runtime.controls.overrides) == 1
     writer = EventWriter(down, runtime.events, stats=stats, max_buffered=500)
@@ -71,8 +72,8 @@ def test_database_down_then_back(world):
     writer.engine = stats.engine = poller.engine = engine
     assert writer.flush() and stats.flush() and poller.poll_once()
     with session_scope(engine) as s:
-        assert count_events(s) == 500
-        buckets = read_buckets(s)
+        assert readback.count(s) == 500
+        buckets = readback.buckets(s)
     assert len(buckets) == 1 and stats.pending_keys() == 0  # what survived the bound got written
 
 
@@ -110,7 +111,7 @@ def test_poisoned_rows_are_dead_lettered_and_the_rest_written(db_url, tmp_path):
     assert writer.flush()
     _tally_ok(writer, produced=10, written=8, dropped=0, dead_lettered=2, lost=0)
     with session_scope(engine) as s:
-        assert count_events(s) == 8 and count_dead_letters(s) == 2
+        assert readback.count(s) == 8 and readback.count_dead_letters(s) == 2
         reasons = sorted(d.reason for d in s.query(DeadLetterEvent))
         stored = [json.loads(d.event) for d in s.query(DeadLetterEvent).order_by(DeadLetterEvent.id)]
     assert reasons == ["tenant contains NUL, which PostgreSQL cannot store",
@@ -136,7 +137,7 @@ def test_a_batch_the_database_refuses_is_bisected_to_the_bad_rows(tmp_path, monk
         assert writer.flush()
         _tally_ok(writer, produced=64, written=61, dropped=0, dead_lettered=3, lost=0)
         with session_scope(engine) as s:
-            assert count_events(s) == 61 and count_dead_letters(s) == 3
+            assert readback.count(s) == 61 and readback.count_dead_letters(s) == 3
             assert sorted(e.position for e in list_events(s)) == [i for i in range(64) if i not in bad]
             assert all(d.reason.startswith("refused by the database:") for d in s.query(DeadLetterEvent))
     finally:
@@ -171,7 +172,7 @@ def test_a_commit_whose_answer_is_lost_is_not_written_twice(db_url, tmp_path):
         event.remove(Session, "after_commit", answer_lost)
     _tally_ok(writer, produced=30, written=30, dropped=0, dead_lettered=0, lost=0)
     with session_scope(engine) as s:
-        assert count_events(s) == 30
+        assert readback.count(s) == 30
         assert sorted(e.position for e in list_events(s)) == list(range(30))
     engine.dispose()
 
@@ -255,7 +256,7 @@ def test_outage_through_a_proxy_loses_nothing_and_services_recover(tmp_path):
         assert h.running and h.state == "ok" and h.failures >= 1
         learner.stop(5.0)
         with session_scope(make_engine(real)) as s:
-            assert count_events(s) == n
+            assert readback.count(s) == n
     finally:
         proxy.close()
         engine.dispose()

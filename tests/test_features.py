@@ -4,11 +4,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from predictor import features
-from predictor.cache_drafter import TREE_GLOBAL, CacheDraft
-from predictor.features import FEATURE_NAMES, MAX_NESTING, NUM_FEATURES, DraftContext, feature_matrix, schema_hash
-from predictor.tokens import BRACKET, NEWLINE, TokenClasses
-from predictor.traces import WORKLOADS
+from predictor.drafting import features
+from predictor.drafting.cache_drafter import TREE_GLOBAL, CacheDraft
+from predictor.drafting.features import FEATURE_NAMES, MAX_NESTING, NUM_FEATURES, DraftContext, feature_matrix, schema_hash
+from predictor.drafting.token_classes import BRACKET, NEWLINE, TokenClasses
+from storage.workloads import WORKLOADS
 
 # Computed from the code when these tests were written. If this fails, a feature column changed:
 # bump FEATURE_SCHEMA_VERSION deliberately and update this literal (stored models become unloadable).

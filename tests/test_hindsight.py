@@ -7,11 +7,11 @@ import numpy as np
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from predictor.cache_drafter import CacheDraft
-from predictor.features import DraftContext
-from predictor.hindsight import Hindsight
-from predictor.labels import lcp
-from predictor.tokens import NEWLINE, TokenClasses
+from predictor.drafting.cache_drafter import CacheDraft
+from predictor.drafting.common_prefix import lcp
+from predictor.drafting.features import DraftContext
+from predictor.drafting.hindsight import Hindsight
+from predictor.drafting.token_classes import NEWLINE, TokenClasses
 
 # Token 1 is what the output realises at every position; a draft with label y is y ones, then twos.
 # Token 3 opens a bracket and ends a line, token 4 closes a bracket.

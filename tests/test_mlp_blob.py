@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.numpy import save as st_save
 
-from predictor.features import NUM_FEATURES, schema_hash
-from predictor.mlp import BLOB_FORMAT, MLP, BlobError, GatePredictor
+from predictor.drafting.features import NUM_FEATURES, schema_hash
+from predictor.gate.mlp import BLOB_FORMAT, MLP, BlobError, GatePredictor
 
 
 @pytest.fixture

@@ -16,13 +16,13 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from controller.cli import overrides as cli_overrides
-from predictor.traces import WORKLOADS
 from storage.engine import make_engine
 from storage.errors import FieldError
 from storage.limits import MAX_OVERRIDE_LIFETIME, MAX_TENANT_LEN
 from storage.migrate import upgrade
 from storage.overrides import TAU_MAX, TAU_MIN, OverrideError, OverrideSpec, validate_spec
 from storage.tenants import normalise_tenant
+from storage.workloads import WORKLOADS
 
 NOW = datetime(2026, 12, 1, 8, 0, tzinfo=timezone.utc)
 

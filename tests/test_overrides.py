@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 from sqlalchemy import Engine, func, select
 
 from controller.cli import overrides as cli_overrides
-from predictor.traces import WORKLOADS
 from storage.engine import make_engine, session_scope
 from storage.migrate import upgrade
 from storage.models import TauOverride
@@ -40,6 +39,7 @@ from storage.overrides import (
     snapshot,
     validate_spec,
 )
+from storage.workloads import WORKLOADS
 
 NOW = datetime(2026, 11, 29, 12, 0, 0, tzinfo=timezone.utc)
 

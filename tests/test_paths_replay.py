@@ -1,4 +1,4 @@
-"""Counterfactual replay along request paths (predictor.counterfactual.Paths, replay_paths): each
+"""Counterfactual replay along request paths (predictor.online.counterfactual.Paths, replay_paths): each
 policy walks its own path through hindsight-labelled drafts, and it judges what per-draft replay
 gets wrong."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from predictor.counterfactual import SEGMENT, Paths, concurrency, gain, replay_goodput, replay_paths
-from predictor.mlp import SURVIVAL_K
-from predictor.profiles import cost_profiles
+from predictor.decision.profiles import cost_profiles
+from predictor.gate.mlp import SURVIVAL_K
+from predictor.online.counterfactual import SEGMENT, Paths, concurrency, gain, replay_paths
 
 K = SURVIVAL_K
 COST = cost_profiles()["cpu-smollm2"]
@@ -35,32 +35,30 @@ def copy_run(request: str = "r", length: int = 8) -> tuple:
 
 
 def test_a_policy_that_verifies_jumps_past_the_drafts_it_made_redundant():
-    """Per-draft replay credits a sure policy at every decision point of a run of good drafts; along
-    the path it takes the run in one step, as serving would."""
+    """Along the path a sure policy takes a run of good drafts in one step, as serving would (priced
+    draft by draft at each decision point, 0, 3 and 6, it would be credited 9 + 6 + 3 tokens)."""
     request, position, draft_len, label, decided = copy_run(length=8)
     decided[[0, 3, 6]] = True  # where a cautious champion happened to decide
     paths = Paths.of(request, position, draft_len, label, decided)
     walked = replay_paths(sure(8, draft_len), paths, NO_MODEL, COST)
     assert walked.tokens == 9 and walked.ms == pytest.approx(COST.step_ms(1, 9))  # one step: 8 accepted + 1
-    points = np.flatnonzero(decided)
-    per_draft = replay_goodput(sure(3, draft_len[points]), draft_len[points], label[points].astype(float),
-                               np.zeros((3, 3)), COST)
-    assert per_draft.tokens == 9 + 6 + 3  # the same tokens counted again at each later point
     # Verifying nothing walks the run one token a step.
     idle = replay_paths(hopeless(8), paths, NO_MODEL, COST)
     assert idle.tokens == 8 and idle.ms == pytest.approx(8 * COST.step_ms(1, 1))
 
 
-def test_drafts_of_unknown_position_stand_alone_and_match_per_draft_replay():
+def test_drafts_of_unknown_position_stand_alone():
+    """Each decided draft of unknown position is a path of one step: its whole draft verified (sure
+    curves), 1 + its label tokens at the price of verifying it; the shadow draft is no choice."""
     n = 5
     draft_len = np.array([4, 7, 1, 12, 3])
     label = np.array([4, 2, 0, 12, 1])
     decided = np.array([True, True, False, True, True])  # an unknown shadow draft is never a choice
     paths = Paths.of(np.full(n, "", dtype=object), np.full(n, -1), draft_len, label, decided)
     walked = replay_paths(sure(n, draft_len), paths, NO_MODEL, COST)
-    keep = decided
-    alone = replay_goodput(sure(4, draft_len[keep]), draft_len[keep], label[keep].astype(float), np.zeros((4, 3)), COST)
-    assert (walked.tokens, walked.ms, walked.drafts) == pytest.approx((alone.tokens, alone.ms, alone.drafts))
+    kept_len, kept_label = draft_len[decided], label[decided]
+    alone = (float(np.sum(1 + np.minimum(kept_label, kept_len))), sum(COST.step_ms(1, 1 + k) for k in kept_len), 4)
+    assert (walked.tokens, walked.ms, walked.drafts) == pytest.approx(alone)
 
 
 def test_positions_without_a_draft_are_walked_and_a_position_drafted_twice_keeps_the_later_draft():

@@ -1,10 +1,11 @@
-"""The README's "Defaults" table against the code.
+"""The defaults table (docs/reference/defaults.md) against the code.
 
-Each row names a default, its value as the README writes it (`0.5`, `20,000`, `1%`, `10 s`, `1 MiB`,
+Each row names a default, its value as the docs write it (`0.5`, `20,000`, `1%`, `10 s`, `1 MiB`,
 `ten`...), one or more code locations (`module:path`) and, optionally, a short quote of the prose
-that states it. The test imports every location and compares; it also finds each quote in the rest
-of the README (whitespace-insensitive, so re-wrapping is harmless) and checks that it states the
-same value. Change a default in the code and this fails until the table and the prose say so too.
+that states it. The test imports every location and compares; it also finds each quote in the
+prose of README.md and the other pages under docs/ (whitespace-insensitive, so re-wrapping is
+harmless) and checks that it states the same value. Change a default in the code and this fails
+until the table and the prose say so too.
 
 A location's path is resolved step by step from the module: `Name` is an attribute, except that
 on a dataclass it is a field's default and on a function or class a parameter's default;
@@ -28,8 +29,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parents[1]
-README = ROOT / "README.md"
-HEADING = "## Defaults"
+DEFAULTS = ROOT / "docs" / "reference" / "defaults.md"  # the table
+TABLE_NAME = str(DEFAULTS.relative_to(ROOT))
+# Where the quoted prose must be: the README and every page of the docs but the table's own.
+PROSE_FILES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md") if p != DEFAULTS)]
+PROSE_NAMES = "README.md and docs/**/*.md"
 NO_QUOTE = {"", "—", "-"}
 
 WORDS = {w: i for i, w in enumerate(
@@ -62,7 +66,7 @@ def _number(num: str, unit: str | None) -> Decimal:
 
 
 def parse_value(text: str) -> Decimal | tuple[int, ...] | str:
-    """A README value as a number (units applied: `1%` is 0.01, `10 min` 600, `1 MiB` 1048576,
+    """A value as the docs write it, as a number (units applied: `1%` is 0.01, `10 min` 600, `1 MiB` 1048576,
     `500k` 500000, `ten` 10), a tuple (`256-128-64`), or else the text itself."""
     text = text.strip().strip("`").strip()
     if text.lower() in WORDS:
@@ -84,7 +88,7 @@ def values_in(prose: str) -> list[Decimal]:
 
 
 def same(readme: Decimal | tuple | str, code: Any) -> bool:
-    if isinstance(code, timedelta):  # durations in the README are read as seconds
+    if isinstance(code, timedelta):  # durations in the docs are read as seconds
         code = code.total_seconds()
     if isinstance(readme, Decimal):
         return (isinstance(code, (int, float, Decimal)) and not isinstance(code, bool)
@@ -103,25 +107,17 @@ class Row(NamedTuple):
     quote: str | None
 
 
-def split_readme(text: str) -> tuple[str, str, int]:
-    """(the Defaults section, the README without it, the section's first line number)."""
-    start = text.index(f"\n{HEADING}\n") + 1
-    nxt = text.find("\n## ", start + len(HEADING))
-    end = len(text) if nxt < 0 else nxt + 1
-    return text[start:end], text[:start] + text[end:], text[:start].count("\n") + 1
-
-
 def table_rows(section: str, first_line: int = 1) -> list[Row]:
     rows = []
     lines = section.splitlines()
     table = [(i, ln) for i, ln in enumerate(lines) if ln.startswith("|")]
-    assert len(table) > 2, f"no table under {HEADING!r} in README.md"
+    assert len(table) > 2, f"no table in {TABLE_NAME}"
     for i, ln in table[2:]:  # after the header and its separator
         cells = [c.strip() for c in ln.strip().strip("|").split("|")]
-        assert len(cells) == 4, f"README.md:{first_line + i}: expected 4 cells, got {len(cells)}: {ln}"
+        assert len(cells) == 4, f"{TABLE_NAME}:{first_line + i}: expected 4 cells, got {len(cells)}: {ln}"
         name, value, code, quote = cells
         locations = tuple(re.findall(r"`([^`]+)`", code))
-        assert locations, f"README.md:{first_line + i}: no `module:path` in the code cell: {code!r}"
+        assert locations, f"{TABLE_NAME}:{first_line + i}: no `module:path` in the code cell: {code!r}"
         rows.append(Row(first_line + i, name, value, locations, None if quote in NO_QUOTE else quote))
     return rows
 
@@ -173,13 +169,13 @@ def _flat(text: str) -> str:
     return re.sub(r"\s+", " ", text)
 
 
-TEXT = README.read_text(encoding="utf-8")
-SECTION, PROSE, FIRST_LINE = split_readme(TEXT)
-ROWS = table_rows(SECTION, FIRST_LINE)
+SECTION = DEFAULTS.read_text(encoding="utf-8")
+PROSE = "\n".join(p.read_text(encoding="utf-8") for p in PROSE_FILES)
+ROWS = table_rows(SECTION)
 
 
 def test_table_is_there_and_names_are_unique():
-    assert len(ROWS) >= 40, f"only {len(ROWS)} rows under {HEADING!r}"
+    assert len(ROWS) >= 40, f"only {len(ROWS)} rows in {TABLE_NAME}"
     names = [r.name for r in ROWS]
     assert len(names) == len(set(names)), f"repeated names: {sorted({n for n in names if names.count(n) > 1})}"
 
@@ -190,23 +186,23 @@ def test_readme_default_is_the_codes(row: Row):
     for location in row.locations:
         code = resolve(location)
         assert same(readme, code), (
-            f"README.md:{row.line} {row.name!r}: README says {row.value} ({readme}), "
-            f"but {location} is {code!r}: update the README (table and prose) or the code")
+            f"{TABLE_NAME}:{row.line} {row.name!r}: the table says {row.value} ({readme}), "
+            f"but {location} is {code!r}: update the docs (table and prose) or the code")
 
 
 @pytest.mark.parametrize("row", [r for r in ROWS if r.quote], ids=[r.name for r in ROWS if r.quote])
 def test_prose_states_the_same_value(row: Row):
     assert _flat(row.quote) in _flat(PROSE), (
-        f"README.md:{row.line} {row.name!r}: the quoted prose {row.quote!r} is no longer in the README "
-        f"outside {HEADING!r}: the prose changed (quote it again, with the value in the table) or the "
-        f"quote did")
+        f"{TABLE_NAME}:{row.line} {row.name!r}: the quoted prose {row.quote!r} is no longer in "
+        f"{PROSE_NAMES} (outside {TABLE_NAME}): the prose changed (quote it again, with the value in the "
+        f"table) or the quote did")
     readme = parse_value(row.value)
     if isinstance(readme, str):
-        assert readme in row.quote, f"README.md:{row.line} {row.name!r}: {row.quote!r} does not say {readme!r}"
+        assert readme in row.quote, f"{TABLE_NAME}:{row.line} {row.name!r}: {row.quote!r} does not say {readme!r}"
         return
     found = values_in(row.quote)
     assert any(same(readme, v) for v in found), (
-        f"README.md:{row.line} {row.name!r}: the table says {row.value} but its prose {row.quote!r} "
+        f"{TABLE_NAME}:{row.line} {row.name!r}: the table says {row.value} but its prose {row.quote!r} "
         f"states {[str(v) for v in found]}")
 
 

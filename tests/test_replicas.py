@@ -20,7 +20,7 @@ def _engine(schema: str):
 
 def _replica(schema: str, name: str, sources: list[str], out) -> None:
     from controller.cli.serve_traces import ReplayServeOptions, serve_replay
-    from predictor.traces import bundled_traces_path, load_traces
+    from predictor.data.traces import bundled_traces_path, load_traces
 
     records, _ = load_traces([bundled_traces_path()])
     picked = [r for r in records if r.source in sources][:250]
@@ -77,14 +77,13 @@ def schema():
 
 
 def test_two_replicas_share_one_postgresql(schema):
-    from predictor.champion import store_champion
-    from predictor.features import NUM_FEATURES, schema_hash
-    from predictor.mlp import MLP, GatePredictor
+    from predictor.drafting.features import NUM_FEATURES, schema_hash
+    from predictor.gate.mlp import MLP, GatePredictor
+    from predictor.gate.registry import store_champion
     from storage.engine import session_scope
-    from storage.events import count_events
+    from support import rows as readback
     from storage.migrate import upgrade
     from storage.overrides import OverrideSpec, set_override
-    from storage.stats import read_buckets
     import torch
 
     engine = _engine(schema)
@@ -109,8 +108,8 @@ def test_two_replicas_share_one_postgresql(schema):
         p.join(60)
         assert p.exitcode == 0
     with session_scope(engine) as s:
-        stored = count_events(s)
-        buckets = read_buckets(s)
+        stored = readback.count(s)
+        buckets = readback.buckets(s)
     assert stored == sum(r["written"] for r in results) > 0
     assert all(r["dropped"] == 0 for r in results)
     assert {b.workload for b in buckets} >= {"code_edit", "sql"}

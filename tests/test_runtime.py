@@ -6,19 +6,21 @@ import numpy as np
 import pytest
 
 from controller.core.decision import CACHE, MODEL, NONE, DecisionConfig
-from controller.services.event_writer import EventWriter
 from controller.core.events import EventQueue, LabelledEvent
-from controller.engines.trace_engine import run_replay
 from controller.core.runtime import RequestInput, Runtime, RequestInputError
-from predictor.labels import lcp
-from predictor.mlp import GatePredictor
-from predictor.profiles import chain_acceptance, drafter_profiles
-from predictor.trace_replay import replay
+from controller.engines.trace_engine import run_replay
+from controller.services.event_writer import EventWriter
+from predictor.decision.profiles import chain_acceptance, drafter_profiles
+from predictor.drafting.common_prefix import lcp
+from predictor.drafting.token_classes import token_classes
+from predictor.gate.mlp import GatePredictor
+from predictor.replay.trace_replay import replay
 from storage.engine import make_engine, session_scope
-from storage.events import count_events, list_events
+from storage.events import list_events
+from support import rows as readback
 from storage.migrate import upgrade
 
-from gates import match_len_gate, random_survival_gate
+from support.gates import match_len_gate, random_survival_gate
 
 DRAFTER = drafter_profiles()["eagle3-1.75"]
 
@@ -41,7 +43,7 @@ def test_runtime_reproduces_dense_replay_labels_and_features(records, tokenizer,
     """Whatever the steps emit (one token, or a whole accepted draft), the runtime's drafts at every
     output position (main and shadow) carry the labels and features of the offline dense replay."""
     dense = replay(records, tokenizer)
-    runtime = Runtime(gate, tokenizer.classes, DecisionConfig(fallback="none", fixed_tau=tau))
+    runtime = Runtime(gate, token_classes(tokenizer), DecisionConfig(fallback="none", fixed_tau=tau))
     run_replay(runtime, records, tokenizer, DRAFTER, batch_size=1)
     events = drain(runtime.events)
     index = {r.trace_id: i for i, r in enumerate(records)}
@@ -59,7 +61,7 @@ def test_runtime_reproduces_dense_replay_labels_and_features(records, tokenizer,
 def test_hindsight_labels_with_batching_are_exact_lcps(records, tokenizer, gate, record_drafts):
     """Interleaved requests (batch 4), real decisions: every cache draft's label is its LCP with
     the true continuation, whether or not it was verified."""
-    runtime = Runtime(match_len_gate(), tokenizer.classes, DecisionConfig(fixed_tau=8.0))
+    runtime = Runtime(match_len_gate(), token_classes(tokenizer), DecisionConfig(fixed_tau=8.0))
     drafts = record_drafts(runtime)
     run = run_replay(runtime, records, tokenizer, DRAFTER, batch_size=4)
     outputs = {r.trace_id: tokenizer.encode_output(r.output).tolist() for r in records}
@@ -76,7 +78,7 @@ def test_hindsight_labels_with_batching_are_exact_lcps(records, tokenizer, gate,
 
 
 def test_fallback_none_and_opt_out(tokenizer, gate):
-    runtime = Runtime(gate, tokenizer.classes, DecisionConfig(fallback="none", fixed_tau=-1.0))
+    runtime = Runtime(gate, token_classes(tokenizer), DecisionConfig(fallback="none", fixed_tau=-1.0))
     prompt = list(range(100, 140)) * 3
     plan = runtime.step([RequestInput("a", [100], prompt, workload="agentic"),
                          RequestInput("b", [100], prompt, workload="agentic", speculate=False)])
@@ -88,12 +90,12 @@ def test_fallback_none_and_opt_out(tokenizer, gate):
 def test_backoff_above_running_limit(tokenizer, gate):
     prompt = list(range(100, 140)) * 3
     inputs = [RequestInput(f"r{i}", [100], prompt, workload="coding") for i in range(3)]
-    off = Runtime(gate, tokenizer.classes, DecisionConfig(fixed_tau=-1.0, max_running_for_speculation=2))
+    off = Runtime(gate, token_classes(tokenizer), DecisionConfig(fixed_tau=-1.0, max_running_for_speculation=2))
     assert off.step(inputs).source.tolist() == [NONE] * 3
-    cache_only = Runtime(gate, tokenizer.classes, DecisionConfig(fixed_tau=-1.0, max_running_for_speculation=2,
+    cache_only = Runtime(gate, token_classes(tokenizer), DecisionConfig(fixed_tau=-1.0, max_running_for_speculation=2,
                                                                  backoff="cache_only"))
     assert cache_only.step(inputs).source.tolist() == [CACHE] * 3
-    under = Runtime(gate, tokenizer.classes, DecisionConfig(fixed_tau=1e9, max_running_for_speculation=5))
+    under = Runtime(gate, token_classes(tokenizer), DecisionConfig(fixed_tau=1e9, max_running_for_speculation=5))
     assert under.step(inputs).source.tolist() == [MODEL] * 3
 
 
@@ -101,7 +103,7 @@ def test_model_acceptance_recorded_from_next_step_tokens(tokenizer, gate):
     """The binary rule drafts k = model_draft_len; the next step's tokens say how many were accepted,
     and the model drafter's survival curve (prior: mean 0.75 at k = 3, worth 50 drafts) takes them in
     per position: positions 1 and 2 accepted, position 3 reached and rejected."""
-    runtime = Runtime(gate, tokenizer.classes, DecisionConfig(fixed_tau=1e9, model_draft_len=3, rule="binary"))
+    runtime = Runtime(gate, token_classes(tokenizer), DecisionConfig(fixed_tau=1e9, model_draft_len=3, rule="binary"))
     assert runtime.step([RequestInput("a", [5], [1, 2, 3, 4], workload="chat")]).source.tolist() == [MODEL]
     runtime.step([RequestInput("a", [6, 7, 8], workload="chat")])  # 2 accepted + bonus
     events = [e for e in drain(runtime.events) if e.drafter == "model"]
@@ -114,7 +116,7 @@ def test_model_acceptance_recorded_from_next_step_tokens(tokenizer, gate):
 
 
 def test_bad_requests_are_clear_errors(tokenizer, gate):
-    runtime = Runtime(gate, tokenizer.classes)
+    runtime = Runtime(gate, token_classes(tokenizer))
     with pytest.raises(RequestInputError, match="without its prompt"):
         runtime.step([RequestInput("x", [1])])
     with pytest.raises(RequestInputError, match="unknown workload 'poetry'"):
@@ -132,7 +134,7 @@ def test_full_queue_drops_and_counts_exactly():
 
 
 def test_runtime_never_blocks_on_a_full_queue(records, tokenizer, gate):
-    runtime = Runtime(gate, tokenizer.classes, DecisionConfig(fallback="none", fixed_tau=1e9), events=EventQueue(10))
+    runtime = Runtime(gate, token_classes(tokenizer), DecisionConfig(fallback="none", fixed_tau=1e9), events=EventQueue(10))
     run_replay(runtime, records[:3], tokenizer, DRAFTER)
     assert runtime.events.queued == 10
     assert runtime.events.dropped == runtime.stats.cache_drafts - 10 > 0
@@ -141,16 +143,16 @@ def test_runtime_never_blocks_on_a_full_queue(records, tokenizer, gate):
 def test_events_reach_sql_in_batches(tmp_path, records, tokenizer, gate):
     engine = make_engine(f"sqlite:///{tmp_path}/ev.db")
     upgrade(engine)
-    runtime = Runtime(gate, tokenizer.classes, DecisionConfig(fixed_tau=1.0), version_id=None)
+    runtime = Runtime(gate, token_classes(tokenizer), DecisionConfig(fixed_tau=1.0), version_id=None)
     writer = EventWriter(engine, runtime.events, batch_size=500, flush_interval=0.05).start()
     run_replay(runtime, records[:6], tokenizer, DRAFTER, batch_size=3, tenant_of=lambda r: f"tenant-{r.source[:3]}")
     writer.stop()
     assert writer.written == runtime.events.queued > 0 and writer.dropped == 0
     with session_scope(engine) as session:
-        assert count_events(session) == writer.written
+        assert readback.count(session) == writer.written
         first = list_events(session, limit=1)[0]
         assert first.tenant.startswith("tenant-") and first.workload in {r.workload for r in records[:6]}
-        cache_rows = count_events(session, drafter="cache")
+        cache_rows = readback.count(session, drafter="cache")
     assert cache_rows == runtime.stats.cache_drafts
 
 
@@ -165,7 +167,7 @@ def test_overrides_and_corrections_reach_the_decision(tokenizer):
     now = datetime.now(timezone.utc)
 
     def plan_for(controls, tenant, workload="agentic"):
-        runtime = Runtime(gate, tokenizer.classes, DecisionConfig(fallback="none"))
+        runtime = Runtime(gate, token_classes(tokenizer), DecisionConfig(fallback="none"))
         runtime.set_controls(controls)
         return runtime.step([RequestInput("r", [100], prompt, tenant=tenant, workload=workload)])
 
@@ -195,11 +197,11 @@ def test_arctic_rule_verifies_by_score_not_by_the_gate(tokenizer, gate):
     prompt = list(range(100, 140)) * 3
     inputs = [RequestInput("rep", [100], prompt, workload="coding"),
               RequestInput("new", [7], list(range(500, 560)), workload="coding")]
-    runtime = Runtime(gate, tokenizer.classes, DecisionConfig(rule="arctic", model_draft_len=3, fixed_tau=1e9))
+    runtime = Runtime(gate, token_classes(tokenizer), DecisionConfig(rule="arctic", model_draft_len=3, fixed_tau=1e9))
     plan = runtime.step(inputs)
     assert plan.cache_len[0] > 0 and plan.source.tolist() == [CACHE, MODEL]
     assert plan.tau[0] == 3.0
-    strict = Runtime(gate, tokenizer.classes, DecisionConfig(rule="arctic", model_draft_len=16))
+    strict = Runtime(gate, token_classes(tokenizer), DecisionConfig(rule="arctic", model_draft_len=16))
     plan = strict.step(inputs)  # a score (sum of token probabilities) never reaches 16 here
     assert plan.cache_len[0] > 0 and plan.source.tolist() == [MODEL, MODEL]
     with pytest.raises(ValueError, match="rule must be one of"):

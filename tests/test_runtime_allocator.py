@@ -16,20 +16,21 @@ from controller.core.tau_tuner import TauTuner
 from controller.engines.trace_engine import run_replay
 from controller.services.event_writer import EventWriter
 from controller.services.learner_service import LearnerService
-from predictor.champion import store_champion
-from predictor.features import NUM_FEATURES, schema_hash
-from predictor.labels import lcp
-from predictor.mlp import SURVIVAL_K, GatePredictor
-from predictor.online import LearnerConfig
-from predictor.profiles import cost_profiles, drafter_profiles
-from predictor.traces import WORKLOADS
+from predictor.decision.profiles import cost_profiles, drafter_profiles
+from predictor.drafting.common_prefix import lcp
+from predictor.drafting.features import NUM_FEATURES, schema_hash
+from predictor.drafting.token_classes import token_classes
+from predictor.gate.mlp import SURVIVAL_K, GatePredictor
+from predictor.gate.registry import store_champion
+from predictor.online.learner import LearnerConfig
 from storage.engine import make_engine, session_scope
 from storage.events import events_after
 from storage.migrate import upgrade
 from storage.models import TauHistory
 from storage.overrides import ActiveOverride, OverrideSnapshot
+from storage.workloads import WORKLOADS
 
-from gates import match_len_gate, random_survival_gate
+from support.gates import match_len_gate, random_survival_gate
 
 DRAFTER = drafter_profiles()["eagle3-1.75"]
 CPU, GPU = cost_profiles()["cpu-smollm2"], cost_profiles()["gpu-8b"]
@@ -63,7 +64,7 @@ def drain(queue: EventQueue) -> list[LabelledEvent]:
 
 @pytest.mark.parametrize("cost", [GPU, CPU], ids=lambda c: c.name)
 def test_a_certain_cache_draft_is_verified_whole(tokenizer, cost):
-    runtime = Runtime(survival_gate(SURVIVAL_K), tokenizer.classes, DecisionConfig(cost=cost))
+    runtime = Runtime(survival_gate(SURVIVAL_K), token_classes(tokenizer), DecisionConfig(cost=cost))
     assert runtime.rule == "allocator"
     plan = runtime.step([repeat("a")])
     assert plan.source.tolist() == [CACHE] and plan.model_k == 0
@@ -76,7 +77,7 @@ def test_a_certain_cache_draft_is_verified_whole(tokenizer, cost):
 def test_a_cliff_in_the_survival_curve_cuts_the_draft(tokenizer, cost):
     """S = 1, 1, 1, 0, ...: three certain tokens are verified, the rest never pays. The event keeps
     the whole draft and its hindsight label; the engine-side tally counts what was verified."""
-    runtime = Runtime(survival_gate(3), tokenizer.classes, DecisionConfig(cost=cost))
+    runtime = Runtime(survival_gate(3), token_classes(tokenizer), DecisionConfig(cost=cost))
     plan = runtime.step([repeat("a")])
     assert plan.source.tolist() == [CACHE] and plan.cache_len[0] == 12
     assert plan.drafts[0] == plan.cache_drafts[0][:3] == [101, 102, 103]
@@ -88,14 +89,14 @@ def test_a_cliff_in_the_survival_curve_cuts_the_draft(tokenizer, cost):
     assert event.verified_len == 3 and event.to_row()["verified_len"] == 3
     assert event.tau == pytest.approx(float(plan.tau[0]), rel=1e-6)
     stats = runtime.stats
-    assert (stats.verified_drafts, stats.verified_tokens, stats.verified_accepted, stats.accepted_at) == (1, 3, 3, [1, 1, 1])
+    assert (stats.verified_drafts, stats.verified_tokens, stats.verified_accepted, stats.accepted_count) == (1, 3, 3, {3: 1})
 
 
 def test_a_perfect_predictor_verifies_exactly_what_will_be_accepted(tokenizer):
     """Given the continuation (the replay engine's perfect predictor), the allocator plans from each
     draft's true accepted length whatever the gate says; requests without one keep the gate's curve,
     and the event still carries the gate's prediction."""
-    runtime = Runtime(survival_gate(0), tokenizer.classes, DecisionConfig(cost=GPU))
+    runtime = Runtime(survival_gate(0), token_classes(tokenizer), DecisionConfig(cost=GPU))
     right = [101, 102, 103, 104, 105, 999]
     a = RequestInput("a", [100], PROMPT, workload="agentic", continuation=np.array(right))
     plan = runtime.step([a, repeat("b")])
@@ -105,7 +106,7 @@ def test_a_perfect_predictor_verifies_exactly_what_will_be_accepted(tokenizer):
     event = next(e for e in drain(runtime.events) if e.request_id == "a" and e.drafter == "cache" and e.position == 1)
     assert (event.accepted, event.verified_len, event.decision) == (5, 5, "cache")
     assert event.predicted == pytest.approx(0, abs=1e-6)
-    sure = Runtime(survival_gate(SURVIVAL_K), tokenizer.classes, DecisionConfig(cost=GPU))
+    sure = Runtime(survival_gate(SURVIVAL_K), token_classes(tokenizer), DecisionConfig(cost=GPU))
     assert sure.step([RequestInput("a", [100], PROMPT, workload="agentic", continuation=[7, 8])]).source.tolist() == [MODEL]
 
 
@@ -114,19 +115,19 @@ def test_opt_out_backoff_and_no_model_fallback(tokenizer):
     useless = survival_gate(0)
     two = [repeat("a"), repeat("b", speculate=False)]
     decision = DecisionConfig(cost=GPU)
-    plan = Runtime(useless, tokenizer.classes, decision).step(two)
+    plan = Runtime(useless, token_classes(tokenizer), decision).step(two)
     curve = decision.model_survival().curve(WORKLOADS.index("agentic"))
     rate = [(2 + curve[:k].sum()) / GPU.step_ms(2, 2 + k, k) for k in (1, 2, 3)]
     assert plan.source.tolist() == [MODEL, NONE] and plan.cache_len.tolist() == [12, 0]
     assert plan.model_k == 1 + int(np.argmax(rate))
-    off = Runtime(useless, tokenizer.classes, DecisionConfig(cost=GPU, max_running_for_speculation=1))
+    off = Runtime(useless, token_classes(tokenizer), DecisionConfig(cost=GPU, max_running_for_speculation=1))
     plan = off.step([repeat("a"), repeat("b")])
     assert plan.source.tolist() == [NONE, NONE] and plan.cache_len.tolist() == [0, 0] and plan.model_k == 0
     cache_only = DecisionConfig(cost=GPU, max_running_for_speculation=1, backoff="cache_only")
-    assert Runtime(useless, tokenizer.classes, cache_only).step([repeat("a"), repeat("b")]).source.tolist() == [NONE] * 2
-    plan = Runtime(survival_gate(SURVIVAL_K), tokenizer.classes, cache_only).step([repeat("a"), repeat("b")])
+    assert Runtime(useless, token_classes(tokenizer), cache_only).step([repeat("a"), repeat("b")]).source.tolist() == [NONE] * 2
+    plan = Runtime(survival_gate(SURVIVAL_K), token_classes(tokenizer), cache_only).step([repeat("a"), repeat("b")])
     assert plan.source.tolist() == [CACHE] * 2 and [len(d) for d in plan.drafts] == [12, 12]
-    no_model = Runtime(useless, tokenizer.classes, DecisionConfig(cost=GPU, fallback="none"))
+    no_model = Runtime(useless, token_classes(tokenizer), DecisionConfig(cost=GPU, fallback="none"))
     assert no_model.step([repeat("a"), fresh(0)]).source.tolist() == [NONE, NONE]
 
 
@@ -136,7 +137,7 @@ def test_one_model_draft_length_per_step_the_best_one(tokenizer, n):
     expected tokens per millisecond of the whole step (from the drafter's curve and the cost
     profile), or not at all; every model draft of the step is k long, and its event says so."""
     decision = DecisionConfig(cost=CPU)
-    runtime = Runtime(survival_gate(0), tokenizer.classes, decision)
+    runtime = Runtime(survival_gate(0), token_classes(tokenizer), decision)
     inputs = [fresh(i) for i in range(n)]
     plan = runtime.step(inputs)
     assert plan.cache_len.tolist() == [0] * n and runtime.stats.model_k_steps == {plan.model_k: 1}
@@ -167,7 +168,7 @@ def test_overrides_take_precedence_over_the_allocator(tokenizer):
         ActiveOverride("eps", None, "off_cache", None, None, None, None, 6),
         ActiveOverride("old", None, "fixed", 50.0, None, None, now - timedelta(seconds=1), 7),
     ])
-    runtime = Runtime(survival_gate(3), tokenizer.classes, DecisionConfig(cost=GPU))  # predicts 3 of 12
+    runtime = Runtime(survival_gate(3), token_classes(tokenizer), DecisionConfig(cost=GPU))  # predicts 3 of 12
     runtime.set_controls(Controls(corrections={"agentic": 100.0}, overrides=snapshot))
     tenants = [("acme", "agentic"), ("acme", "sql"), ("beta", "agentic"), ("gamma", "agentic"),
                ("delta", "agentic"), ("eps", "agentic"), ("old", "agentic"), ("zeta", "agentic")]
@@ -188,14 +189,14 @@ def test_a_point_gate_serves_with_the_binary_rule(tokenizer, caplog):
     point = match_len_gate()
     inputs = [repeat("a"), fresh(0)]
     with caplog.at_level(logging.WARNING, logger="hvd.runtime"):
-        runtime = Runtime(point, tokenizer.classes, DecisionConfig(cost=CPU), version_id=4)
+        runtime = Runtime(point, token_classes(tokenizer), DecisionConfig(cost=CPU), version_id=4)
         plan = runtime.step(inputs)
         runtime.set_gate(point, 5)
     assert runtime.rule == "binary"
     assert [r.getMessage() for r in caplog.records] == [
         "predictor v4 is a point estimate (no survival curve): deciding with the binary rule instead of the "
         "allocator; a survival predictor (hvd warmstart) brings it back"]
-    binary = Runtime(point, tokenizer.classes, DecisionConfig(cost=CPU, rule="binary")).step(inputs)
+    binary = Runtime(point, token_classes(tokenizer), DecisionConfig(cost=CPU, rule="binary")).step(inputs)
     assert plan.source.tolist() == binary.source.tolist() == [CACHE, MODEL]
     assert plan.drafts == binary.drafts and plan.drafts[0] == list(range(101, 113))  # whole drafts
     np.testing.assert_array_equal(plan.tau, binary.tau)
@@ -215,7 +216,7 @@ def test_replay_verifies_the_truncated_drafts(records, tokenizer):
     rejected draft tokens matches what the runtime counts from the tokens each step emitted (up to
     one token at a request's end, where the last step may emit less than accepted + 1); verifying
     the whole drafts would reject many more."""
-    runtime = Runtime(random_survival_gate(), tokenizer.classes, DecisionConfig(cost=CPU, fallback="none"))
+    runtime = Runtime(random_survival_gate(), token_classes(tokenizer), DecisionConfig(cost=CPU, fallback="none"))
     prefixes: list[int] = []
     step = runtime.step
 
@@ -240,7 +241,7 @@ def test_labels_and_the_model_drafters_curve_follow_hindsight(records, tokenizer
     has the step's k; the runtime's model-drafter curves are exactly a DrafterSurvival fed those
     events in order, and the tau tuner fed the same events has the same mean accepted length."""
     decision = DecisionConfig(cost=CPU)
-    runtime = Runtime(random_survival_gate(), tokenizer.classes, decision)
+    runtime = Runtime(random_survival_gate(), token_classes(tokenizer), decision)
     drafts = record_drafts(runtime)
     run = run_replay(runtime, records, tokenizer, DRAFTER, batch_size=4)
     outputs = {r.trace_id: tokenizer.encode_output(r.output).tolist() for r in records}
@@ -277,7 +278,7 @@ def test_tau_history_shows_the_break_even_tau(tmp_path, records, tokenizer):
     with session_scope(engine) as s:
         version = store_champion(s, gate, reason="test", actor="test")
     decision = DecisionConfig(cost=CPU)
-    runtime = Runtime(gate, tokenizer.classes, decision, version_id=version)
+    runtime = Runtime(gate, token_classes(tokenizer), decision, version_id=version)
     writer = EventWriter(engine, runtime.events)
     run_replay(runtime, records[:8], tokenizer, DRAFTER, batch_size=4)
     assert writer.flush()
@@ -309,9 +310,9 @@ def test_tau_history_shows_the_break_even_tau(tmp_path, records, tokenizer):
 def test_calibrations_and_workload_champions_change_what_is_served(tokenizer):
     """The fast correction applies per tenant's workload where the leader fitted one, else per
     workload; a workload's own champion decides its drafts and stamps its version on their events."""
-    from predictor.calibration import Calibration
+    from predictor.gate.calibration import Calibration
 
-    runtime = Runtime(survival_gate(3), tokenizer.classes, DecisionConfig(cost=GPU), version_id=1)
+    runtime = Runtime(survival_gate(3), token_classes(tokenizer), DecisionConfig(cost=GPU), version_id=1)
     raw = runtime.step([repeat("a", tenant="t1"), repeat("b", tenant="t2")])
     assert raw.predicted.tolist() == [3.0, 3.0]
     nothing = Calibration(np.ones(SURVIVAL_K), np.full(SURVIVAL_K, -200.0), 500)  # accepts nothing

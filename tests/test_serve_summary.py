@@ -6,7 +6,7 @@ from controller.cli.serve_traces import ServeResult
 from controller.cli.summary import format_serve_summary
 from controller.engines.trace_engine import ReplayRun
 from controller.services.event_writer import Tally as EventTally
-from predictor.simulator import Tally
+from predictor.evaluation.simulator import Tally
 
 
 def _row(text: str, name: str) -> list[str]:

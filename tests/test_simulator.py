@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from predictor.goodput import tau_star
-from predictor.profiles import CostProfile, DrafterProfile, ProfileError, cost_profiles, drafter_profiles
-from predictor.simulator import (ALLOCATED, CACHE, MODEL, NONE, POLICIES, SETTINGS, SimInput, Simulator, binary_rule,
+from predictor.decision.binary_rule import tau_star
+from predictor.decision.profiles import CostProfile, DrafterProfile, ProfileError, cost_profiles, drafter_profiles
+from predictor.evaluation.simulator import (ALLOCATED, CACHE, MODEL, NONE, POLICIES, SETTINGS, SimInput, Simulator, binary_rule,
                                  decisions, figures, model_accepted, setting_name, simulate)
 
 # Flat cost: every forward costs 10 ms whatever its width, drafting is free -> tau* = mu_e exactly.
@@ -150,6 +150,44 @@ def test_binary_rule_prices_the_request_share_at_the_batch_size():
     assert decisions("oracle", data, weak, CPU, batch=8).tolist() == [CACHE if y > t else NONE for y, t in zip(LABEL, tau8)]
 
 
+# ------------------------------------------------------------------ the binary rule priced, by hand
+
+# Round figures: a forward over n query tokens costs 20 + 2n ms, a drafted token 1 ms.
+ROUND = CostProfile("round", base_ms=20.0, per_token_ms=2.0, draft_token_ms=1.0)
+
+
+def test_hvd_binary_and_oracle_priced_by_hand():
+    """One trace of 8 tokens under a non-flat cost, every figure worked out below.
+
+    Model drafter: 2 tokens at 0.5 each, mu_e = 0.5 + 0.25 = 0.75; its step costs
+    20 + 2 x (1 + 2) + 2 x 1 = 28 ms. It beats a plain step (1.75 / 28 = 0.0625 > 1 / 22 tokens per
+    ms), so it is the fallback, and tau(k) = (mu_e + 1) x (20 + 2 x (1 + k)) / 28 - 1 = 0.375 + 0.125 k:
+    tau(2) = 0.625, tau(4) = 0.875, tau(6) = 1.125.
+    Prefill: token 1, 22 ms. Only positions 1, 5 and 6 are ever reached (below).
+    """
+    #          pos: 1    2  3  4  5    6    7
+    draft_len = [4, 0, 0, 0, 2, 6, 0]
+    label = [3, 0, 0, 0, 0, 1, 0]
+    predicted = [2.0, 0, 0, 0, 1.0, 0.9, 0]
+    model_acc = np.array([1, 0, 0, 0, 2, 1, 0])
+    data = _one_trace(draft_len, label, length=8)
+    data.predicted = np.array(predicted, dtype=np.float32)
+    drafter = DrafterProfile("half", draft_len=2, acceptance=0.5)
+    tau, fallback = binary_rule(data, drafter, ROUND)
+    np.testing.assert_allclose(tau, [0.375 + 0.125 * k for k in draft_len])
+    assert fallback.tolist() == [MODEL] * 7
+    # hvd-binary: pos 1 predicted 2 > 0.875: cache, 3 of 4 accepted, 4 tokens (5 in all), 1 wasted,
+    #   20 + 2 x 5 = 30 ms; pos 5 predicted 1 > 0.625: cache, 0 of 2 accepted, 1 token, 2 wasted,
+    #   20 + 2 x 3 = 26 ms; pos 6 predicted 0.9 < 1.125: model, 1 of 2 accepted, the last 2 tokens,
+    #   1 wasted, 28 ms. 4 cycles, 4 wasted, 2 cache cycles, 22 + 30 + 26 + 28 = 106 ms.
+    # oracle: pos 1 label 3 > 0.875: cache as above (30 ms); pos 5 label 0 < 0.625: model, 2 of 2
+    #   accepted, the last 3 tokens, none wasted, 28 ms. 3 cycles, 1 wasted, 1 cache cycle,
+    #   22 + 30 + 28 = 80 ms.
+    for policy, want in (("hvd-binary", (8, 4, 4, 2, 1, 106.0)), ("oracle", (8, 3, 1, 1, 1, 80.0))):
+        t = simulate(policy, data, drafter, ROUND, model_acc)[0]
+        assert (t.tokens, t.cycles, t.wasted, t.cache_cycles, t.model_cycles, t.time_ms) == pytest.approx(want), policy
+
+
 # ------------------------------------------------------------------ the old simulator's hvd, kept as hvd-binary
 
 def _fixture_input() -> SimInput:
@@ -169,8 +207,10 @@ def _fixture_input() -> SimInput:
 
 
 FIXTURE_DRAFTER = DrafterProfile("d", draft_len=3, acceptance=0.4, by_workload={"sql": 0.6})
-# Per trace [cycles, wasted, cache cycles, ms], computed by the simulator as it was before the allocator
-# (commit bac6f3a, predictor/simulator.py: simulate("hvd"/"oracle", ..., model_accepted(.., seed=5))).
+# A REGRESSION GUARD, not a check of correctness: per trace [cycles, wasted, cache cycles, ms], as the
+# simulator computed them before the allocator (commit bac6f3a, predictor/simulator.py:
+# simulate("hvd"/"oracle", ..., model_accepted(.., seed=5))). They catch a change, not an error; the
+# same rule priced by hand is test_hvd_binary_and_oracle_priced_by_hand.
 OLD = {
     ("cpu", "hvd"): [[8, 22, 7, 272.08], [1, 0, 0, 24.66], [6, 13, 5, 192.84], [8, 12, 5, 256.6]],
     ("cpu", "oracle"): [[8, 21, 6, 275.22], [1, 0, 0, 24.66], [6, 13, 5, 192.84], [8, 18, 6, 260.26]],
@@ -180,7 +220,8 @@ OLD = {
 
 
 @pytest.mark.parametrize(("cost", "policy"), list(OLD))
-def test_hvd_binary_and_oracle_are_the_old_simulator(cost, policy):
+def test_regression_guard_hvd_binary_and_oracle_match_the_old_simulator(cost, policy):
+    """Regression guard: the figures of the simulator before the allocator (golden numbers, see OLD)."""
     data = _fixture_input()
     acc = model_accepted(len(data.trace), FIXTURE_DRAFTER, 5, data.trace_workload[data.trace])
     profile = {"cpu": CPU, "gpu": GPU}[cost]
@@ -373,8 +414,8 @@ def test_model_accepted_with_zero_acceptance():
 
 
 def test_per_workload_acceptance_is_used_per_row():
-    from predictor.profiles import chain_acceptance, chain_mean
-    from predictor.traces import WORKLOADS
+    from predictor.decision.profiles import chain_acceptance, chain_mean
+    from storage.workloads import WORKLOADS
 
     d = DrafterProfile("m", 3, 0.2, by_workload={"sql": 0.8}, measured=True)
     workload = np.array([WORKLOADS.index("sql")] * 100_000 + [WORKLOADS.index("chat")] * 100_000)
@@ -388,8 +429,8 @@ def test_per_workload_acceptance_is_used_per_row():
 
 
 def test_a_measured_survival_curve_is_what_the_allocator_and_the_simulator_use(tmp_path):
-    from predictor.profiles import accepted_from_survival, chain_mean
-    from predictor.traces import WORKLOADS
+    from predictor.decision.profiles import accepted_from_survival, chain_mean
+    from storage.workloads import WORKLOADS
 
     from controller.engines.trace_engine import model_draft_accepted
     from eagle3_training.acceptance import Acceptance, profile_snippet

@@ -25,14 +25,14 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from predictor.champion import CHAMPION, load_gate
+from predictor.gate.registry import CHAMPION, load_gate
 from storage.engine import make_engine, session_scope
-from storage.events import count_dead_letters, count_events
+from support import rows as readback
 from storage.migrate import upgrade
 from storage.models import ReplicaHealth
 from storage.versions import create_version, get_alias_version, set_alias
 from tcp_proxy import TcpProxy
-from trace_subset import champion_database
+from support.trace_subset import champion_database
 
 pytestmark = pytest.mark.postgres
 HVD = Path(sys.executable).with_name("hvd")
@@ -57,7 +57,7 @@ class Soak:
 
     def counts(self) -> tuple[int, int]:
         with session_scope(self.engine) as s:
-            return count_events(s), count_dead_letters(s)
+            return readback.count(s), readback.count_dead_letters(s)
 
     def learner_ok_since(self, t: float, timeout: float = 20.0) -> bool:
         deadline = time.monotonic() + timeout

@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -24,15 +25,17 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
 import controller.services.stats_writer as stats_writer_mod
+import storage.leader as leader_mod
 from controller.services.event_writer import EventWriter
 from controller.core.events import EventQueue, LabelledEvent
 from controller.services.stats_writer import StatsWriter
 from storage.engine import make_engine, session_scope
-from storage.events import count_events, insert_events, list_events
+from storage.events import insert_events, list_events
+from support import rows as readback
 from storage.leader import LeaseLeaderLock, PgAdvisoryLeaderLock, make_leader_lock
 from storage.models import DecisionEvent, StatBucket
 from storage.stats import (ALL, HIST_BINS, BucketDelta, add_dropped, add_steps, aggregate, bucket_start,
-                           merge_deltas, prune_events, read_buckets, upsert_buckets)
+                           merge_deltas, prune_events, upsert_buckets)
 from storage.versions import create_version, get_alias_version, set_alias, verify_blob
 
 T0 = 1_700_000_040.0  # a bucket boundary (multiple of 60)
@@ -64,7 +67,7 @@ def _delta_dict(d: BucketDelta) -> dict:
 def _db_as_deltas(engine: Engine) -> dict:
     with session_scope(engine) as s:
         return {(b.bucket_start, b.tenant, b.workload, b.predictor_version_id): _bucket_dict(b)
-                for b in read_buckets(s)}
+                for b in readback.buckets(s)}
 
 
 # --- aggregation (pure) ---------------------------------------------------------------------------
@@ -168,11 +171,11 @@ def test_upsert_adds_to_existing_rows_and_reads_filter(db: Engine) -> None:
     expected = merge_deltas(merge_deltas({}, first), second)
     assert _db_as_deltas(db) == {k: _delta_dict(d) for k, d in expected.items()}
     with session_scope(db) as s:
-        assert [b.tenant for b in read_buckets(s, tenant="u")] == ["u"]
-        assert [b.workload for b in read_buckets(s, workload="chat")] == ["chat"]
-        assert read_buckets(s, since=bucket_start(T0 + 60)) == []
-        assert len(read_buckets(s, since=bucket_start(T0))) == 3
-        row = read_buckets(s, tenant="t")[0]
+        assert [b.tenant for b in readback.buckets(s, tenant="u")] == ["u"]
+        assert [b.workload for b in readback.buckets(s, workload="chat")] == ["chat"]
+        assert readback.buckets(s, since=bucket_start(T0 + 60)) == []
+        assert len(readback.buckets(s, since=bucket_start(T0))) == 3
+        row = readback.buckets(s, tenant="t")[0]
         assert row.bucket_start == bucket_start(T0)
         assert row.accepted_hist[:12] == [2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1]
 
@@ -221,7 +224,7 @@ def test_prune_events_keeps_newest(db: Engine) -> None:
         assert prune_events(s, 4) == 0 and prune_events(s, 100) == 0
     with session_scope(db) as s:
         assert prune_events(s, 0) == 4
-        assert count_events(s) == 0 and prune_events(s, 0) == 0
+        assert readback.count(s) == 0 and prune_events(s, 0) == 0
     with pytest.raises(ValueError):
         with session_scope(db) as s:
             prune_events(s, -1)
@@ -309,25 +312,40 @@ def test_event_writer_feeds_raw_events_stats_drops_and_retention(db: Engine) -> 
         if q.put(e):
             accepted.append(e)
     assert q.dropped == 3
+    # The writer takes from the queue only through get_batch: holding `gate` pauses it (after any
+    # get_batch under way has returned), so what fits in the queue below does not race with it.
+    gate = threading.Lock()
+    get_batch = q.get_batch
+
+    def gated_get_batch(max_items: int) -> list[LabelledEvent]:
+        with gate:
+            return get_batch(max_items)
+
+    q.get_batch = gated_get_batch  # type: ignore[method-assign]
     stats = StatsWriter(db, flush_interval=0.05)
     writer = EventWriter(db, q, batch_size=4, flush_interval=0.05, stats=stats, keep_events=4, prune_every=1).start()
-    time.sleep(0.2)
-    for i in range(9, 12):
-        e = ev(at=T0 + 61, accepted=i, predicted=2.0, request_id=f"r{i}", position=i, tenant="a")
-        assert q.put(e)
-        accepted.append(e)
-    for _ in range(8):  # the writer drains concurrently, so some of these may fit
-        e = ev(at=T0 + 61, accepted=1, request_id="burst", tenant="c")
-        if q.put(e):
+    deadline = time.monotonic() + 30
+    while writer.written < 6:  # the first six written: waited for, not slept past
+        assert time.monotonic() < deadline, f"the writer wrote {writer.written} of 6"
+        time.sleep(0.01)
+    with gate:  # the writer paused: the queue (empty, room for 6) fills exactly
+        assert q.depth() == 0
+        for i in range(9, 12):
+            e = ev(at=T0 + 61, accepted=i, predicted=2.0, request_id=f"r{i}", position=i, tenant="a")
+            assert q.put(e)
             accepted.append(e)
+        burst = [ev(at=T0 + 61, accepted=1, request_id="burst", position=100 + j, tenant="c") for j in range(8)]
+        assert [q.put(e) for e in burst] == [True] * 3 + [False] * 5  # 3 fit, 5 dropped
+        accepted += burst[:3]
     assert writer.stop() and stats.stop()  # the writer stops only itself; the stats writer writes what it got
-    assert writer.written == len(accepted) and writer.dropped == 0 and writer.failures == 0
-    assert writer.pruned == len(accepted) - 4
+    assert len(accepted) == 12 and q.dropped == 8
+    assert writer.written == 12 and writer.dropped == 0 and writer.failures == 0
+    assert writer.pruned == 12 - 4
     with session_scope(db) as s:
         assert [e.position for e in list_events(s)] == [a.position for a in accepted[-4:]]
     expected = aggregate(accepted)
     drops = {k: d for k, d in _db_as_deltas(db).items() if k[1] == ALL}
-    assert sum(d["dropped_events"] for d in drops.values()) == q.dropped >= 3
+    assert sum(d["dropped_events"] for d in drops.values()) == 8
     got = {k: d for k, d in _db_as_deltas(db).items() if k[1] != ALL}
     assert got == {k: _delta_dict(d) for k, d in expected.items()}
     assert stats.pending_keys() == 0
@@ -336,11 +354,40 @@ def test_event_writer_feeds_raw_events_stats_drops_and_retention(db: Engine) -> 
 # --- leader election ---------------------------------------------------------------------------
 
 
-def test_leader_lock_in_process(db: Engine, db_url: str) -> None:
-    a = make_leader_lock(db, "learner", holder="A", ttl=0.6)
-    b = make_leader_lock(db, "learner", holder="B", ttl=0.6)
-    other = make_leader_lock(db, "other-role", holder="B", ttl=0.6)
-    assert isinstance(a, PgAdvisoryLeaderLock if db_url.startswith("postgresql") else LeaseLeaderLock)
+class FakeClock:
+    """Time that moves only when told: the lease lock's monotonic clock (passed in) and the wall
+    clock its rows expire by (storage.leader.utcnow, patched), advanced together."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.t = 1000.0
+        self._wall0 = datetime(2030, 1, 1, tzinfo=timezone.utc)
+        monkeypatch.setattr(leader_mod, "utcnow", self.utcnow)
+
+    def monotonic(self) -> float:
+        return self.t
+
+    def utcnow(self) -> datetime:
+        return self._wall0 + timedelta(seconds=self.t - 1000.0)
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+TTL = 10.0  # seconds of the fake clock: nothing here waits for it
+
+
+def test_leader_lock_in_process(db: Engine, db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    pg = db_url.startswith("postgresql")
+    assert isinstance(make_leader_lock(db, "learner", ttl=TTL), PgAdvisoryLeaderLock if pg else LeaseLeaderLock)
+    clock = FakeClock(monkeypatch)
+
+    def lock(name: str, holder: str):
+        if pg:
+            return make_leader_lock(db, name, holder=holder)
+        # renewals driven by hand below (the renewing thread is test_lease_renews_itself_until_released's)
+        return LeaseLeaderLock(db, name, holder=holder, ttl=TTL, auto_renew=False, clock=clock.monotonic)
+
+    a, b, other = lock("learner", "A"), lock("learner", "B"), lock("other-role", "B")
     assert a.try_acquire() and a.is_leader
     assert a.try_acquire() and a.renew()  # re-entrant for the holder
     assert not b.try_acquire() and not b.is_leader and not b.renew()
@@ -349,14 +396,19 @@ def test_leader_lock_in_process(db: Engine, db_url: str) -> None:
     assert not a.is_leader
     assert b.try_acquire() and b.is_leader
     assert not a.try_acquire()
-    if isinstance(b, LeaseLeaderLock):
-        # a leader that stops renewing keeps the lease until ttl, then loses it, and finds out
-        b._stop.set()
-        assert b.is_leader and not a.try_acquire()  # renewed within ttl / 3: still ours
-        deadline = time.monotonic() + 5
-        while b.is_leader or not a.try_acquire():  # expiry waited for, not slept past
-            assert time.monotonic() < deadline, "the lease never expired"
-            time.sleep(0.01)
+    if not pg:
+        # a leader keeps the lease while it renews; once it stops, it keeps it until ttl after the
+        # last renewal (not a moment less), then loses it to a follower, and finds out
+        clock.advance(0.9 * TTL)
+        assert b.is_leader and not a.try_acquire()
+        assert b.renew()  # ours for another ttl from now
+        clock.advance(0.9 * TTL)  # 1.8 ttl since it was taken: alive only thanks to the renewal
+        assert b.is_leader and not a.try_acquire()
+        clock.advance(0.1 * TTL - 0.001)  # just short of ttl since the renewal
+        assert b.is_leader and not a.try_acquire()
+        clock.advance(0.002)  # just past it
+        assert not b.is_leader
+        assert a.try_acquire() and a.is_leader
         assert not b.renew() and not b.is_leader
     else:
         # a leader whose session dies loses the lock, and finds out
@@ -368,8 +420,25 @@ def test_leader_lock_in_process(db: Engine, db_url: str) -> None:
             assert time.time() < deadline
             time.sleep(0.02)
         assert not b.renew() and not b.is_leader
-    for lock in (a, b, other):
-        lock.release()
+    for held in (a, b, other):
+        held.release()
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_lease_renews_itself_until_released(db: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The renewing thread (every ttl / 3 of real time) extends the lease from the clock's now."""
+    clock = FakeClock(monkeypatch)
+    lock = LeaseLeaderLock(db, "learner", holder="A", ttl=0.3, clock=clock.monotonic)
+    assert lock.try_acquire() and lock._valid_until == pytest.approx(1000.3)
+    clock.advance(100.0)  # long expired, unless the thread renews it
+    deadline = time.monotonic() + 10
+    while lock._valid_until != pytest.approx(1100.3):  # a renewal waited for, not slept past
+        assert time.monotonic() < deadline, "the lease was never renewed"
+        time.sleep(0.01)
+    assert lock.is_leader
+    lock.release()
+    assert lock._thread is None and not lock.is_leader
+    assert LeaseLeaderLock(db, "learner", holder="B", auto_renew=False, clock=clock.monotonic).try_acquire()
 
 
 def _leader_worker(url: str, name: str, ttl: float, poll: float, out) -> None:
@@ -475,7 +544,7 @@ def test_kill_9_during_writes_leaves_a_consistent_database(db: Engine, db_url: s
     with session_scope(db) as s:
         sizes = Counter(dict(s.execute(select(DecisionEvent.request_id, func.count())
                                        .group_by(DecisionEvent.request_id)).all()))
-        buckets = read_buckets(s)
+        buckets = readback.buckets(s)
         champion = get_alias_version(s, "champion")
         assert champion is not None and champion.id == champion_id
         assert verify_blob(champion) == blob

@@ -24,7 +24,7 @@ from sqlalchemy.exc import IntegrityError
 
 from storage import CorruptBlobError, StorageError
 from storage.engine import make_engine, session_scope
-from storage.migrate import current_revision, downgrade, head_revision, upgrade
+from storage.migrate import alembic_config, current_revision, downgrade, upgrade
 from storage.models import Alias, Base, PredictorVersion
 from storage.settings import DEFAULT_DATABASE_URL, database_url
 from storage.versions import (
@@ -40,6 +40,13 @@ from storage.versions import (
 TABLES = {"predictor_versions", "aliases", "alias_events", "decision_events", "tau_overrides", "tau_history", "learner_checks", "learning_room",
           "stat_buckets", "drift_events", "leases", "replica_health", "dead_letter_events", "event_receipts", "survival_calibrations"}
 SCHEMA_HASH = "a" * 64
+
+
+def _head_revision() -> str | None:
+    """The newest migration shipped with the code."""
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(alembic_config()).get_current_head()
 
 
 @pytest.fixture
@@ -77,7 +84,7 @@ def _new_version(session, blob: bytes = b"weights", **overrides) -> PredictorVer
 def test_upgrade_creates_tables_matching_models(engine: Engine) -> None:
     assert current_revision(engine) is None
     upgrade(engine)
-    assert current_revision(engine) == head_revision() == "0011"
+    assert current_revision(engine) == _head_revision() == "0011"
     assert TABLES <= set(inspect(engine).get_table_names())
     with engine.connect() as conn:
         ctx = MigrationContext.configure(conn, opts={"compare_type": True})
@@ -122,7 +129,7 @@ def test_migrations_keep_a_champion_and_its_history(engine: Engine) -> None:
             assert get_alias_version(s, "champion").id == ids[1]
             assert [(e.from_version_id, e.to_version_id) for e in list_alias_events(s, "champion")] == \
                 [(None, ids[0]), (ids[0], ids[1])]
-    assert current_revision(engine) == head_revision()
+    assert current_revision(engine) == _head_revision()
     if engine.dialect.name == "sqlite":
         with engine.connect() as conn:
             assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
@@ -359,7 +366,8 @@ def test_learning_room_refuses_what_the_table_cannot_hold_and_keeps_what_is_stor
         db: Engine, field: str, value: object, message: str) -> None:
     from datetime import datetime
 
-    from storage.learning_room import add_learning_room, latest_learning_room, list_learning_room, prune_learning_room
+    from storage.learning_room import add_learning_room, latest_learning_room, prune_learning_room
+    from support import rows as readback
 
     room = dict(at=datetime(2026, 12, 3, tzinfo=timezone.utc), workload="sql", predictor_version_id=1, drafts=3000,
                 headroom=0.0512, challenger_gain=-0.002, replica="r1")
@@ -371,11 +379,11 @@ def test_learning_room_refuses_what_the_table_cannot_hold_and_keeps_what_is_stor
         with session_scope(db) as s:
             add_learning_room(s, **{**room, field: value})
     with session_scope(db) as s:
-        stored = [(r.workload, r.predictor_version_id, r.headroom, r.challenger_gain, r.at) for r in list_learning_room(s)]
+        stored = [(r.workload, r.predictor_version_id, r.headroom, r.challenger_gain, r.at) for r in readback.learning_room(s)]
         latest = [(r.workload, r.headroom) for r in latest_learning_room(s)]
     assert stored == [("sql", 2, 0.047, None, room["at"]), ("chat", 1, 0.031, -0.002, room["at"]),
                       ("sql", 1, 0.0512, -0.002, room["at"])]  # newest first; nothing lost
     assert latest == [("chat", 0.031), ("sql", 0.047)]
     with session_scope(db) as s:
         assert prune_learning_room(s, 1) == 2 and prune_learning_room(s, 1) == 0
-        assert [(r.workload, r.headroom) for r in list_learning_room(s)] == [("sql", 0.047)]  # the newest kept
+        assert [(r.workload, r.headroom) for r in readback.learning_room(s)] == [("sql", 0.047)]  # the newest kept

@@ -16,7 +16,6 @@ from sqlalchemy import Engine, inspect, insert, make_url, select, text
 from sqlalchemy.exc import DBAPIError
 
 from controller.cli import overrides as cli_overrides
-from predictor.traces import WORKLOADS
 from storage.engine import connect_args, make_engine, session_scope
 from storage.errors import FieldError, StorageError
 from storage.events import event_row_problem, insert_events, list_events, record_health, replica_health, split_storable
@@ -28,6 +27,7 @@ from storage.overrides import OverrideError, OverrideSpec, list_overrides, set_o
 from storage.settings import DatabaseUrlError, Timeouts, check_database_url, database_url
 from storage.tenants import normalise_tenant
 from storage.versions import add_tau_history, create_version, list_alias_events, set_alias
+from storage.workloads import WORKLOADS
 
 NOW = datetime(2026, 12, 1, 8, 0, tzinfo=timezone.utc)
 LONG_ID = "can-ai-code/" + "x" * 177  # 189 characters, as long as the bundled can-ai-code trace ids
@@ -267,7 +267,8 @@ def test_timeouts_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert Timeouts.from_env() == Timeouts(10.0, 2.5)
     for bad in ("soon", "nan", "-1", "1e9"):
         monkeypatch.setenv("HVD_DB_CONNECT_TIMEOUT", bad)
-        with pytest.raises(StorageError, match=r"^\$HVD_DB_CONNECT_TIMEOUT = "):
+        with pytest.raises(StorageError, match=rf"^HVD_DB_CONNECT_TIMEOUT={bad!r} is not valid: expected a number "
+                                               r"of seconds between 1 and 86400$"):
             Timeouts.from_env()
 
 
@@ -341,7 +342,8 @@ def test_override_list_escapes_and_caps_stored_values(db: Engine) -> None:
 def test_stats_with_unstorable_names_are_kept_under_one_visible_key(db: Engine) -> None:
     """A tenant the database cannot hold must not make every stats upsert fail: its counts land
     under UNSTORABLE, merged (one statement may not touch a row twice on PostgreSQL)."""
-    from storage.stats import UNSTORABLE, BucketDelta, read_buckets, upsert_buckets
+    from storage.stats import UNSTORABLE, BucketDelta, upsert_buckets
+    from support import rows as readback
 
     start = datetime(2026, 12, 1, 8, 0, tzinfo=timezone.utc)
     deltas = {(start, "acme", "chat", 0): BucketDelta(tokens=1),
@@ -351,5 +353,5 @@ def test_stats_with_unstorable_names_are_kept_under_one_visible_key(db: Engine) 
     with session_scope(db) as s:
         assert upsert_buckets(s, deltas) == 3
     with session_scope(db) as s:
-        assert {(b.tenant, b.workload): b.tokens for b in read_buckets(s)} == {
+        assert {(b.tenant, b.workload): b.tokens for b in readback.buckets(s)} == {
             ("acme", "chat"): 1, (UNSTORABLE, "chat"): 110, ("acme", UNSTORABLE): 1000}

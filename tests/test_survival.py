@@ -10,14 +10,14 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from safetensors.numpy import save as st_save
 
-from predictor.cache_drafter import SuffixConfig
-from predictor.champion import gate_from_blob, load_gate, store_champion
-from predictor.features import FEATURE_NAMES, NUM_FEATURES, schema_hash
-from predictor.metrics import survival_reliability
-from predictor.mlp import (DRAFT_LEN_COLUMN, POINT_FORMAT, SURVIVAL_FORMAT, SURVIVAL_K, MLP, BlobError, GatePredictor,
-                           survival_from_logits)
-from predictor.online import Batch, LearnerConfig, OnlineLearner
-from predictor.training import TrainConfig, censored_bce, train_gate
+from predictor.drafting.cache_drafter import SuffixConfig
+from predictor.drafting.features import FEATURE_NAMES, NUM_FEATURES, schema_hash
+from predictor.evaluation.gate_quality import survival_reliability
+from predictor.gate.batch import Batch
+from predictor.gate.mlp import DRAFT_LEN_COLUMN, POINT_FORMAT, SURVIVAL_FORMAT, SURVIVAL_K, MLP, BlobError, GatePredictor
+from predictor.gate.registry import gate_from_blob, load_gate, store_champion
+from predictor.gate.training import TrainConfig, censored_bce, train_gate
+from predictor.online.learner import LearnerConfig, OnlineLearner
 from storage.engine import session_scope
 from storage.versions import get_version
 
@@ -80,7 +80,10 @@ def test_numpy_twin_equals_torch_for_the_survival_head():
     x = _rows(512)
     with torch.no_grad():
         logits = model(torch.from_numpy(x))
-        expected = survival_from_logits(logits, torch.from_numpy(x[:, DRAFT_LEN_COLUMN])).numpy()
+        # S(j) = prod_{i<=j} sigmoid(z_i), 0 past the draft's length, in torch
+        draft_len = torch.from_numpy(x[:, DRAFT_LEN_COLUMN])
+        curve = torch.cumprod(torch.sigmoid(logits), dim=1)
+        expected = (curve * (torch.arange(1, K + 1)[None, :] <= draft_len[:, None]).to(curve.dtype)).numpy()
     assert logits.shape == (512, K)
     got = gate.survival(x)
     np.testing.assert_allclose(got, expected, atol=2e-6, rtol=0)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from controller.core.decision import DecisionConfig
 from controller.core.tau_tuner import TauTuner
-from predictor.traces import WORKLOADS
+from storage.workloads import WORKLOADS
 
 observations = st.lists(st.tuples(st.integers(0, len(WORKLOADS) - 1),
                                   st.floats(-5.0, 50.0, allow_nan=False) | st.just(float("nan"))),

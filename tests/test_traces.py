@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from predictor.traces import (
+from predictor.data.traces import (
     DEFAULT_MAX_RECORD_BYTES,
     WORKLOADS,
     LoadReport,

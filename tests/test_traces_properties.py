@@ -12,7 +12,9 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from predictor.traces import WORKLOADS, Message, TraceFormatError, TraceRecord, load_traces
+from predictor.data.traces import Message, TraceFormatError, TraceRecord, load_traces
+
+from storage.workloads import WORKLOADS
 
 def fast(max_examples: int) -> settings:
     """Deterministic (derandomized, no example database) and quick: the suite stays well under 20 s."""

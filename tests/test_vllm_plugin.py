@@ -15,7 +15,7 @@ import pytest
 
 from controller.engines import vllm_engine as ve
 from eagle3_training.corpus import held_out_prompts
-from trace_subset import champion_database
+from support.trace_subset import champion_database
 
 ve.cpu_environment()
 
@@ -23,10 +23,11 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
 from controller.engines import vllm_plugin  # noqa: E402
-from predictor.traces import WORKLOADS as WORKLOADS_ALL  # noqa: E402
 from storage.engine import make_engine, session_scope  # noqa: E402
 from storage.events import list_events  # noqa: E402
 from storage.overrides import OverrideSpec, set_override  # noqa: E402
+from storage.workloads import WORKLOADS as WORKLOADS_ALL  # noqa: E402
+from support.rows import accepted_per_position  # noqa: E402
 
 MAX_TOKENS = 40
 WORKLOADS = ("agentic", "code_edit", "sql")
@@ -160,7 +161,8 @@ def test_recorded_acceptance_equals_vllm_counters(hybrid_run, database):
     assert delta("vllm:spec_decode_num_draft_tokens") == stats.verified_tokens
     assert delta("vllm:spec_decode_num_accepted_tokens") == stats.verified_accepted
     per_pos = delta("vllm:spec_decode_num_accepted_tokens_per_pos")
-    assert stats.accepted_at + [0] * (len(per_pos) - len(stats.accepted_at)) == per_pos
+    accepted_at = accepted_per_position(stats.accepted_count)
+    assert accepted_at + [0] * (len(per_pos) - len(accepted_at)) == per_pos
     model = [e for e in events if e.drafter == "model"]
     assert len(model) == stats.model_drafts and sum(e.accepted for e in model) == stats.model_accepted
 

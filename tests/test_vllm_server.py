@@ -20,8 +20,8 @@ from storage.engine import make_engine, session_scope
 from storage.events import list_events
 from storage.stats import verified_tokens
 
-from scrape import scrape, total
-from trace_subset import champion_database
+from support.scrape import scrape, total
+from support.trace_subset import champion_database
 
 HVD = Path(sys.executable).with_name("hvd")
 STARTUP_SECONDS = 300

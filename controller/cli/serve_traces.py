@@ -22,36 +22,17 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import Engine
 
+from controller.cli.replay_options import ReplayServeOptions  # defined there for `hvd --help`; imported from here too
 from controller.core.metrics import HvdMetrics
 from controller.core.runtime import Runtime
 from controller.engines.trace_engine import ReplayRun, run_replay
 from controller.services.event_writer import Tally
 from controller.services.lifecycle import Health
 from controller.services.stack import ServiceStack, decision_config
-from predictor.online import LearnerConfig
-from predictor.profiles import cost_profiles, drafter_profiles, pick
-from predictor.tokens import TraceTokenizer
-from predictor.traces import TraceRecord
-
-
-@dataclass
-class ReplayServeOptions:
-    batch_size: int = 8
-    tenants: int = 3
-    seed: int = 0
-    learn: bool = True
-    drafter: str = "eagle3-1.75"
-    cost_profile: str = "gpu-8b"
-    rule: str = "allocator"  # controller.core.decision.RULES
-    replica: str = "replica-0"
-    synchronous: bool = False
-    sync_every: int = 50  # steps between synchronous learner rounds
-    progress_seconds: float = 5.0
-    # decide with the true accepted lengths (controller.engines.trace_engine.ORACLES: the binary
-    # oracle "gate", or the allocator fed a perfect "predictor"); learning off
-    oracle: str | None = None
-    drain_seconds: float = 10.0  # at shutdown, how long to keep trying to write what is queued
-    learner: LearnerConfig = field(default_factory=LearnerConfig)
+from predictor.data.tokens import TraceTokenizer
+from predictor.data.traces import TraceRecord
+from predictor.decision.profiles import cost_profiles, drafter_profiles, pick
+from predictor.drafting.token_classes import token_classes
 
 
 @dataclass
@@ -112,7 +93,7 @@ def serve_replay(engine: Engine, records: Sequence[TraceRecord], opts: ReplaySer
     (drafter,) = pick(drafter_profiles(), [opts.drafter], "drafter")
     (cost,) = pick(cost_profiles(), [opts.cost_profile], "cost")
     tokenizer = TraceTokenizer()
-    stack = ServiceStack.build(engine, decision_config(drafter, cost, rule=opts.rule), tokenizer.classes,
+    stack = ServiceStack.build(engine, decision_config(drafter, cost, rule=opts.rule), token_classes(tokenizer),
                                replica=opts.replica, learn=opts.learn, learner_config=opts.learner,
                                leader_lock=not opts.synchronous, stats_interval=2.0, poll_interval=1.0,
                                metrics=metrics)

@@ -1,12 +1,12 @@
 """The per-request decision rules: which draft each request of a step verifies, if any.
 
-`allocator` (the default): the verification allocator (predictor.allocator) plans the whole step
+`allocator` (the default): the verification allocator (predictor.decision.allocator) plans the whole step
 from each cache draft's survival curve, the model drafter's live curve per workload and the cost
 profile at the step's batch size: a cache prefix, the model draft (one length k for the step) or
 nothing per request.
 
 `binary` (the seed's rule, and what a point-estimate predictor serves with): verify the whole cache
-draft iff the predicted accepted length beats tau from the goodput rule (predictor.goodput) with the
+draft iff the predicted accepted length beats tau from the goodput rule (predictor.decision.binary_rule) with the
 live mean accepted length of the model drafter; with "none" as the fallback the rule compares the
 cache draft with a plain step: verify iff (y_hat + 1) / t(1 + k_c) > 1 / t(1), i.e.
 tau = t(1 + k_c) / t(1) - 1.
@@ -23,11 +23,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from predictor.allocator import CACHE, MODEL, NONE
-from predictor.drafter_survival import DrafterSurvival
-from predictor.goodput import model_step_ms, tau_star
-from predictor.profiles import CostProfile, DrafterProfile, chain_acceptance, cost_profiles
-from predictor.traces import WORKLOADS
+from predictor.decision.allocator import CACHE, MODEL, NONE
+from predictor.decision.binary_rule import model_beats_plain, thresholds
+from predictor.decision.drafter_survival import DrafterSurvival
+from predictor.decision.profiles import (
+    DEFAULT_COST_PROFILE,
+    CostProfile,
+    DrafterProfile,
+    chain_acceptance,
+    cost_profiles,
+)
+from storage.workloads import WORKLOADS
 
 SOURCE_NAMES = {NONE: "none", CACHE: "cache", MODEL: "model"}
 FALLBACKS = ("model", "none")
@@ -37,7 +43,7 @@ DEFAULT_MODEL_ACCEPTED = 0.75  # the model drafter's mean accepted length at k =
 
 
 def _default_cost() -> CostProfile:
-    return cost_profiles()["gpu-8b"]
+    return cost_profiles()[DEFAULT_COST_PROFILE]
 
 
 def _default_drafter() -> DrafterProfile:
@@ -107,8 +113,7 @@ def fallback_sources(mu_e: np.ndarray, config: DecisionConfig, batch: int) -> np
         return np.full(n, NONE, dtype=np.int8)
     if config.fixed_tau is not None:
         return np.full(n, MODEL, dtype=np.int8)
-    cost = config.cost.per_request(batch)
-    beats = (np.asarray(mu_e) + 1.0) / model_step_ms(cost, config.model_draft_len) > 1.0 / cost.target_ms(1)
+    beats = model_beats_plain(mu_e, config.model_draft_len, config.cost.per_request(batch))
     return np.where(beats, MODEL, NONE).astype(np.int8)
 
 
@@ -118,11 +123,7 @@ def rule_thresholds(cache_len: np.ndarray, mu_e: np.ndarray, fallback: np.ndarra
     n = len(cache_len)
     if config.fixed_tau is not None:
         return np.full(n, config.fixed_tau, dtype=np.float64)
-    cost = config.cost.per_request(max(n, 1))
-    k = np.asarray(cache_len, dtype=np.float64)
-    against_plain = cost.target_ms(1 + k) / cost.target_ms(1) - 1.0
-    against_model = tau_star(k, np.asarray(mu_e, dtype=np.float64), config.model_draft_len, cost)
-    return np.where(fallback == MODEL, against_model, against_plain)
+    return thresholds(cache_len, mu_e, fallback == MODEL, config.model_draft_len, config.cost.per_request(max(n, 1)))
 
 
 OFF_NONE, OFF_MODEL, OFF_CACHE = 0, 1, 2  # hybrid switched off by an override: always model / always cache

@@ -8,7 +8,7 @@ gate's confusion matrix; the queue's depth and drops). The token and gate counts
 functions the stored statistics do (storage.stats), so a scrape and `stat_buckets` agree; they count
 every labelled draft, stored or dropped (hvd_events_dropped_total says how many were dropped).
 
-Labels are bounded: workload is one of predictor.traces.WORKLOADS (the runtime refuses others);
+Labels are bounded: workload is one of storage.workloads.WORKLOADS (the runtime refuses others);
 tenant keeps its name for the first `max_tenants` distinct tenants this process sees and is
 "other" after that, so a flood of tenant names cannot blow up the series count.
 
@@ -31,8 +31,8 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
 from controller.core.decision import SOURCE_NAMES
 from controller.core.events import DRAFTER_CACHE, DRAFTER_MODEL, LabelledEvent
-from predictor.traces import WORKLOADS
 from storage.stats import GATE_OUTCOMES, LONG, gate_outcome, verified_tokens
+from storage.workloads import WORKLOADS
 
 _log = logging.getLogger("hvd.metrics")
 

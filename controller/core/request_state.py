@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from predictor.hindsight import Hindsight, TrackedDraft
+from predictor.drafting.hindsight import Hindsight, TrackedDraft
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ model drafter, or none), the gate's prediction and the tau it was held to.
 Per step: each request's realised tokens go into the suffix cache and label the drafts they cover
 (hindsight); every speculating request gets one cache lookup; the features of all cache drafts form
 one matrix and the gate runs once over it (a survival curve per draft); the allocator then plans the
-whole step in one vectorised call (predictor.allocator), the model drafter's curves coming from its
+whole step in one vectorised call (predictor.decision.allocator), the model drafter's curves coming from its
 live per-workload estimate. Labelled events go onto a bounded queue and never wait for SQL.
 
 tau under the allocator: a request's automatic tau is its break-even expected accepted length
@@ -33,18 +33,18 @@ from controller.core.decision import (CACHE, MODEL, NONE, OFF_CACHE, OFF_MODEL, 
                                       effective_rule, fallback_sources, rule_thresholds)
 from controller.core.events import DRAFTER_CACHE, DRAFTER_MODEL, EventQueue, LabelledEvent
 from controller.core.request_state import CacheDraftRecord, RequestState, VerifiedDraft
-from predictor.allocator import AUTO, FORCE_MODEL, FORCE_NONE, FULL_CACHE, NO_CACHE, allocate
-from predictor.cache_drafter import CacheDrafter, SuffixConfig
-from predictor.calibration import Calibration
-from predictor.calibration import apply as apply_calibration
-from predictor.features import NUM_FEATURES, DraftContext, feature_matrix
-from predictor.hindsight import Hindsight, TrackedDraft
-from predictor.labels import lcp
-from predictor.mlp import GatePredictor
-from predictor.profiles import known_survival
-from predictor.tokens import TokenClasses
-from predictor.traces import WORKLOADS
+from predictor.decision.allocator import AUTO, FORCE_MODEL, FORCE_NONE, FULL_CACHE, NO_CACHE, allocate
+from predictor.decision.profiles import known_survival
+from predictor.drafting.cache_drafter import CacheDrafter, SuffixConfig
+from predictor.drafting.common_prefix import lcp
+from predictor.drafting.features import NUM_FEATURES, DraftContext, feature_matrix
+from predictor.drafting.hindsight import Hindsight, TrackedDraft
+from predictor.drafting.token_classes import TokenClasses
+from predictor.gate.calibration import Calibration
+from predictor.gate.calibration import apply as apply_calibration
+from predictor.gate.mlp import GatePredictor
 from storage.overrides import OverrideSnapshot
+from storage.workloads import WORKLOADS
 
 if TYPE_CHECKING:
     from controller.core.metrics import HvdMetrics
@@ -108,12 +108,6 @@ class RuntimeStats:
         self.verified_tokens += draft_len
         self.verified_accepted += accepted
         self.accepted_count[accepted] = self.accepted_count.get(accepted, 0) + 1
-
-    @property
-    def accepted_at(self) -> list[int]:
-        """[j]: verified drafts whose position j + 1 was accepted (as vLLM counts per position)."""
-        longest = max(self.accepted_count, default=0)
-        return [sum(c for a, c in self.accepted_count.items() if a > j) for j in range(longest)]
 
 
 class Runtime:

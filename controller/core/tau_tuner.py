@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from controller.core.decision import DecisionConfig, fallback_sources, rule_thresholds
-from predictor.drafter_survival import DrafterSurvival
-from predictor.online import Batch
-from predictor.traces import WORKLOADS
+from predictor.decision.drafter_survival import DrafterSurvival
+from predictor.gate.batch import Batch
+from storage.workloads import WORKLOADS
 
 MAX_CORRECTION = 0.5
 NEAR = 1.0  # predictions within this distance of tau inform the correction

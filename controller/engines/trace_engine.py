@@ -18,12 +18,12 @@ import numpy as np
 
 from controller.core.decision import CACHE, MODEL
 from controller.core.runtime import RequestInput, Runtime, StepPlan
-from predictor.labels import lcp
-from predictor.profiles import DrafterProfile, accepted_from_survival
-from predictor.trace_replay import deployments
-from predictor.simulator import Tally
-from predictor.tokens import TraceTokenizer
-from predictor.traces import TraceRecord
+from predictor.data.tokens import TraceTokenizer
+from predictor.data.traces import TraceRecord
+from predictor.decision.profiles import DrafterProfile, accepted_from_survival
+from predictor.drafting.common_prefix import lcp
+from predictor.evaluation.simulator import Tally
+from predictor.replay.trace_replay import deployments
 
 
 ORACLES = ("gate", "predictor")

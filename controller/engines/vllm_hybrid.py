@@ -18,9 +18,10 @@ from controller.core.request_metadata import RequestMetadata, RequestMetadataErr
 from controller.core.runtime import RequestInput
 from controller.services.stack import ServiceStack, decision_config
 from controller.settings import ServingSettings, SettingsError
-from predictor.cache_drafter import SuffixConfig
-from predictor.profiles import cost_profiles, drafter_profiles
-from predictor.tokens import TraceTokenizer
+from predictor.data.tokens import TraceTokenizer
+from predictor.decision.profiles import cost_profiles, drafter_profiles
+from predictor.drafting.cache_drafter import SuffixConfig
+from predictor.drafting.token_classes import token_classes
 from storage.engine import make_engine
 from storage.migrate import upgrade
 from storage.settings import database_url
@@ -62,7 +63,7 @@ class HybridState:
         # The hvd_* metrics go into the registry vLLM serves at /metrics (across processes: see
         # controller.core.metrics).
         metrics = HvdMetrics.shared(max_tenants=settings.metrics_max_tenants)
-        self.stack = ServiceStack.build(engine, decision, tokenizer.classes,
+        self.stack = ServiceStack.build(engine, decision, token_classes(tokenizer),
                                         replica=f"{socket.gethostname()}-{os.getpid()}", learn=settings.learn,
                                         suffix=suffix, metrics=metrics)
         self.stack.poller.poll_once()

@@ -16,15 +16,15 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from controller.core.runtime import Controls, Runtime
 from controller.services.lifecycle import BackgroundService, Health
-from predictor.calibration import Calibration, CalibrationError
-from predictor.champion import CHAMPION, load_gate, workload_alias, workload_champions
-from predictor.traces import WORKLOADS
-from predictor.mlp import BlobError
+from predictor.gate.calibration import Calibration, CalibrationError
+from predictor.gate.mlp import BlobError
+from predictor.gate.registry import CHAMPION, load_gate, workload_alias, workload_champions
 from storage.calibrations import calibrations_for
 from storage.engine import session_scope
 from storage.errors import StorageError
 from storage.overrides import snapshot
 from storage.versions import get_alias_version, latest_corrections
+from storage.workloads import WORKLOADS
 
 log = logging.getLogger("hvd.controls")
 

@@ -20,17 +20,18 @@ from sqlalchemy import Engine
 from controller.core.decision import DecisionConfig, effective_rule
 from controller.core.tau_tuner import TauTuner
 from controller.services.lifecycle import BackgroundService
-from predictor.calibration import Calibration, Calibrator, Recent, Score
-from predictor.champion import (CHAMPION, load_gate, promote, promote_for_workload, version_kind, workload_alias,
+from predictor.decision.binary_rule import model_step_ms
+from predictor.drafting.features import NUM_FEATURES
+from predictor.gate.batch import Batch
+from predictor.gate.calibration import Calibration
+from predictor.gate.mlp import SURVIVAL_K, GatePredictor
+from predictor.gate.registry import (CHAMPION, load_gate, promote, promote_for_workload, version_kind, workload_alias,
                                workload_champions)
-from predictor.counterfactual import Paths, gain, replay_paths, served_curves_from, wins
-from predictor.features import NUM_FEATURES
-from predictor.goodput import model_step_ms
-from predictor.mlp import SURVIVAL_K, GatePredictor
-from predictor.online import Batch, LearnerConfig, OnlineLearner, batch_from_events
-from predictor.promotion import ShadowScore
-from predictor.traces import WORKLOADS
-from predictor.workload_promotion import Verdict, WorkloadPromoter, replay_drafts
+from predictor.online.calibrator import Calibrator, Recent, Score
+from predictor.online.counterfactual import Paths, gain, replay_paths, served_curves_from, wins
+from predictor.online.learner import LearnerConfig, OnlineLearner, batch_from_events
+from predictor.online.promotion import ShadowScore
+from predictor.online.workload_promotion import Verdict, WorkloadPromoter, replay_drafts
 from storage.calibrations import ALL_TENANTS, clear_calibrations, save_calibration
 from storage.engine import session_scope
 from storage.events import count_cache_drafts_since, events_after, last_event_id
@@ -38,6 +39,7 @@ from storage.learner_checks import add_learner_check
 from storage.learning_room import add_learning_room, prune_learning_room
 from storage.versions import (add_drift_event, add_tau_history, create_version, get_alias_version,
                               list_alias_events)
+from storage.workloads import WORKLOADS
 
 # A fast calibration is served only where the held-back window's replay says it wins both walked one
 # request at a time and walked at the served batch (None): judged at every refit, it needs the
@@ -168,7 +170,7 @@ class LearnerService(BackgroundService):
         return self.learner.champion.kind == "survival" and self.learner.model.kind == "survival"
 
     def _judge_workloads(self, now: datetime) -> None:
-        """The comparisons due (predictor.workload_promotion), acted on: one new version for the
+        """The comparisons due (predictor.online.workload_promotion), acted on: one new version for the
         challenger if it won anywhere, each winning workload's alias moved to it, regressions rolled back."""
         due = self.promoter.due()
         if not due:
@@ -367,7 +369,7 @@ class LearnerService(BackgroundService):
     def _resume_watches(self) -> None:
         """A workload whose alias was last moved by a learner's promotion, still in place and still on
         probation (fewer than `probation` windows of its drafts stored since), is watched for the
-        rest of it as if this leader had promoted it (predictor.workload_promotion): the watch
+        rest of it as if this leader had promoted it (predictor.online.workload_promotion): the watch
         outlives the leader that started it."""
         with session_scope(self.engine) as s:
             pending = []

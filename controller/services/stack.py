@@ -26,11 +26,11 @@ from controller.services.event_writer import EventWriter, Tally
 from controller.services.learner_service import LearnerService
 from controller.services.lifecycle import Health
 from controller.services.stats_writer import StatsWriter
-from predictor.cache_drafter import SuffixConfig
-from predictor.champion import load_gate
-from predictor.online import LearnerConfig
-from predictor.profiles import CostProfile, DrafterProfile
-from predictor.tokens import TokenClasses
+from predictor.decision.profiles import CostProfile, DrafterProfile
+from predictor.drafting.cache_drafter import SuffixConfig
+from predictor.drafting.token_classes import TokenClasses
+from predictor.gate.registry import load_gate
+from predictor.online.learner import LearnerConfig
 from storage.engine import session_scope
 from storage.events import record_health
 from storage.leader import make_leader_lock

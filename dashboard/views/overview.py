@@ -12,8 +12,8 @@ import streamlit as st
 from dashboard.charts import segments, tooltip
 from dashboard.common import (PRICED_BATCH, admin_sidebar, data_as_of, engine_or_stop, fmt, page_scope,
                               read_session, stop_if_empty)
-from predictor.baselines import model_alone, no_speculation, path_cost, suffix_alone
-from predictor.profiles import cost_profiles, drafter_profiles
+from predictor.decision.profiles import cost_profiles, drafter_profiles
+from predictor.evaluation.baselines import model_alone, no_speculation, path_cost, suffix_alone
 from storage import dashboard_queries as q
 
 # The serving defaults (controller.settings; tests/test_dashboard.py keeps them equal), or what is set.
@@ -42,7 +42,7 @@ if DEFAULT_DRAFTER not in drafters:
     st.warning(f"HVD_DRAFTER_PROFILE={DEFAULT_DRAFTER!r} is not a drafter profile; using eagle3-smollm2.")
 profile = profiles[c[0].selectbox("Cost profile", names, index=names.index(DEFAULT_COST_PROFILE)
                                   if DEFAULT_COST_PROFILE in profiles else 0, key="cost_profile",
-                                  help="How one engine step is priced (predictor/profiles.toml); the serving default "
+                                  help="How one engine step is priced (predictor/decision/profiles.toml); the serving default "
                                        "is HVD_COST_PROFILE.")]
 batch = int(c[1].number_input("Batch size priced", min_value=1, max_value=512, value=PRICED_BATCH, key="cost_batch",
                               help="Running requests per step: each request pays its share of the step."))

@@ -138,7 +138,8 @@ if room:
                "version is about the most any predictor could win there. A challenger far below it has not learned what is "
                "learnable, or the drafts' outcomes are not predictable from what is known before verification: on "
                "sources left out of the warm start, gates trained on the source itself win between none and half "
-               "of it (README, Figures). Challenger % is empty on a probation look, where no challenger is tried.")
+               "of it (docs/results/unseen-sources.md). Challenger % is empty on a probation look, where no challenger "
+               "is tried.")
 else:
     st.info("No checks yet: the learner measures the room to learn every 1,000 drafts of a workload, once its "
             "window of held-back drafts is full.")

@@ -1,0 +1,125 @@
+"""The suffix-cache drafter: arctic-inference's SuffixDecodingCache, queried per tree.
+
+vLLM's `method="suffix"` asks the cache for one draft and gets the better of two trees (the
+request's own prompt tree and the global tree of earlier responses). The gate needs to know which
+tree spoke, so this wrapper queries the two trees separately with exactly the arguments vLLM uses
+and applies the same tie rule (prompt tree wins ties). Offline replay and the live runtime both
+draft through this class, so the labels the predictor learns from are the drafts it will gate.
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+from arctic_inference.suffix_decoding import SuffixDecodingCache
+from arctic_inference.suffix_decoding._C import Draft, SuffixTree
+
+from predictor.drafting.common_prefix import lcp
+
+# Which suffix tree a draft came from (a draft's `tree`).
+TREE_NONE = 0
+TREE_PROMPT = 1
+TREE_GLOBAL = 2
+
+
+@dataclass(frozen=True)
+class SuffixConfig:
+    """vLLM's suffix defaults (`SpeculativeConfig`, method="suffix")."""
+
+    max_tree_depth: int = 24
+    max_cached_requests: int = 10000
+    max_spec_factor: float = 1.0
+    min_token_prob: float = 0.1
+    num_speculative_tokens: int = 24
+
+    def __post_init__(self) -> None:
+        if self.max_tree_depth < 1:
+            raise ValueError(f"max_tree_depth must be >= 1, got {self.max_tree_depth}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
+            )
+        if not 0.0 <= self.min_token_prob <= 1.0:
+            raise ValueError(f"min_token_prob must be in [0, 1], got {self.min_token_prob}")
+
+
+class CacheDraft(NamedTuple):
+    """One cache draft and what the gate may know about it before verification (a NamedTuple
+    because replay makes one per output position)."""
+
+    token_ids: list[int]
+    probs: list[float]
+    score: float = 0.0
+    match_len: int = 0
+    tree: int = TREE_NONE
+    # The tree that lost: its score, length, and how many leading tokens both trees agree on.
+    other_score: float = 0.0
+    other_len: int = 0
+    trees_agree: int = 0
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+
+class CacheDrafter:
+    """Per-request prompt trees plus one global response tree, as one serving process holds."""
+
+    def __init__(self, config: SuffixConfig | None = None) -> None:
+        self.config = config or SuffixConfig()
+        self._cache = SuffixDecodingCache(
+            max_tree_depth=self.config.max_tree_depth,
+            max_cached_requests=self.config.max_cached_requests,
+        )
+
+    def start(self, req_id: Hashable, prompt_token_ids: np.ndarray | Sequence[int]) -> None:
+        """Begin a request; a finished request's cached response under the same id is evicted first."""
+        if req_id in self._cache.cached_requests and req_id not in self._cache.active_requests:
+            self._cache.evict_cached_response(req_id)
+        self._cache.start_request(req_id, _as_int32(prompt_token_ids))
+
+    def extend(self, req_id: Hashable, token_ids: np.ndarray | Sequence[int]) -> None:
+        """Append realised output tokens (they become draftable for every request)."""
+        if len(token_ids):
+            self._cache.add_active_response(req_id, _as_int32(token_ids))
+
+    def stop(self, req_id: Hashable) -> None:
+        self._cache.stop_request(req_id)
+
+    def draft(self, req_id: Hashable, context: np.ndarray) -> CacheDraft:
+        """Draft after `context` (the request's prompt + output so far; only its tail is matched)."""
+        cfg = self.config
+        d_prompt, d_global = _speculate_each_tree(
+            self._cache, req_id, _as_int32(context[-cfg.max_tree_depth :]),
+            max_spec_tokens=cfg.num_speculative_tokens,
+            max_spec_factor=cfg.max_spec_factor, max_spec_offset=0.0, min_token_prob=cfg.min_token_prob,
+            use_tree_spec=False)
+        if d_prompt.score >= d_global.score:
+            best, other, tree = d_prompt, d_global, TREE_PROMPT
+        else:
+            best, other, tree = d_global, d_prompt, TREE_GLOBAL
+        token_ids = best.token_ids  # each read of a native list is a fresh copy
+        if not token_ids:
+            return CacheDraft([], [], match_len=best.match_len)
+        other_ids = other.token_ids
+        return CacheDraft(token_ids, best.probs, best.score, best.match_len, tree, other.score, len(other_ids),
+                          lcp(token_ids, other_ids))
+
+
+def _speculate_each_tree(cache: SuffixDecodingCache, req_id: Hashable, pattern: np.ndarray, *,
+                         max_spec_tokens: int, max_spec_factor: float, max_spec_offset: float,
+                         min_token_prob: float, use_tree_spec: bool) -> tuple[Draft, Draft]:
+    """The drafts of the request's prompt tree and of the global tree, in that order.
+
+    `SuffixDecodingCache.speculate` (same parameters) returns only the better of the two; this is the
+    one place that reaches into its trees, whose native call takes the parameters by position.
+    """
+    args = (max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob, use_tree_spec)
+    return (SuffixTree.speculate_ndarray(cache._local_trees[req_id], pattern, *args),
+            SuffixTree.speculate_ndarray(cache._global_tree, pattern, *args))
+
+
+def _as_int32(tokens: np.ndarray | Sequence[int]) -> np.ndarray:
+    return np.ascontiguousarray(tokens, dtype=np.int32)

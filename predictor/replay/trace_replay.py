@@ -1,0 +1,145 @@
+"""Trace replay: rebuild the cache state a serving process would have had, draft at every output
+position, and label every draft with its oracle accepted length.
+
+Scope: one serving process (one global tree) per deployment, i.e. per (producing model, run). The
+bundled sources repeat the same tasks across producing models and runs; letting one model's
+outputs draft for another's would inflate cache acceptance far beyond what any real deployment
+sees. Sessions of a deployment arrive in order, their turns in order, one request at a time.
+
+The cache state, hence every draft and label, depends only on the realised outputs, never on which
+drafts a policy chose to verify; so one dense replay serves every policy the simulator compares.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from predictor.data.tokens import TraceTokenizer
+from predictor.data.traces import TraceRecord
+from predictor.drafting.cache_drafter import CacheDrafter, SuffixConfig
+from predictor.drafting.features import NUM_FEATURES, DraftContext, feature_matrix
+from predictor.drafting.hindsight import Hindsight
+from predictor.drafting.token_classes import token_classes
+from storage.workloads import WORKLOADS
+
+ProgressFn = Callable[[int, int], None]
+
+
+@dataclass
+class ReplayResult:
+    """Plain arrays: one row per output position t >= 1 of every replayed trace."""
+
+    trace: np.ndarray  # int32: index into `records`
+    position: np.ndarray  # int32: t, the number of output tokens already emitted
+    draft_len: np.ndarray  # int16: k, 0 when the cache had nothing to propose
+    label: np.ndarray  # int16: y, tokens greedy verification accepts
+    score: np.ndarray  # float32: the cache's own score (sum of path probabilities)
+    features: np.ndarray  # float32 (rows x NUM_FEATURES)
+    records: list[TraceRecord] = field(default_factory=list)
+    output_len: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    workload: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int8))  # per trace
+
+    @property
+    def rows(self) -> int:
+        return len(self.position)
+
+    def row_workload(self) -> np.ndarray:
+        return self.workload[self.trace]
+
+
+def deployments(records: Iterable[TraceRecord]) -> dict[tuple[str, str, str], list[TraceRecord]]:
+    """Records grouped by (source, model, run), each group in arrival order."""
+    groups: dict[tuple[str, str, str], list[TraceRecord]] = {}
+    for record in records:
+        groups.setdefault((record.source, record.model, record.run), []).append(record)
+    return groups
+
+
+def replay(
+    records: Sequence[TraceRecord],
+    tokenizer: TraceTokenizer,
+    config: SuffixConfig | None = None,
+    progress: ProgressFn | None = None,
+) -> ReplayResult:
+    """Replay `records` (in arrival order) and label every output position."""
+    config = config or SuffixConfig()
+    index = {id(r): i for i, r in enumerate(records)}
+    parts: list[_TraceRows] = []
+    output_len = np.zeros(len(records), dtype=np.int32)
+    done = 0
+    for group in deployments(records).values():
+        drafter = CacheDrafter(config)
+        for record in group:
+            i = index[id(record)]
+            rows = _replay_one(drafter, record, i, tokenizer)
+            output_len[i] = rows.output_len
+            parts.append(rows)
+            done += 1
+            if progress is not None:
+                progress(done, len(records))
+        tokenizer.clear_cache()
+    workload = np.array([WORKLOADS.index(r.workload) for r in records], dtype=np.int8)
+    return _concat(parts, list(records), output_len, workload)
+
+
+@dataclass
+class _TraceRows:
+    trace: int
+    output_len: int
+    position: np.ndarray
+    draft_len: np.ndarray
+    label: np.ndarray
+    score: np.ndarray
+    features: np.ndarray
+
+
+def _replay_one(drafter: CacheDrafter, record: TraceRecord, trace: int, tokenizer: TraceTokenizer) -> _TraceRows:
+    prompt = tokenizer.encode_context(record)
+    out = tokenizer.encode_output(record.output)
+    n = len(out)
+    req_id = f"{trace}"
+    drafter.start(req_id, prompt)
+    request = Hindsight(prompt, WORKLOADS.index(record.workload), token_classes(tokenizer))
+    rows: list[DraftContext] = []
+    labels = [0] * max(n - 1, 0)  # per position t >= 1
+    for t in range(n):
+        token = out[t : t + 1]
+        drafter.extend(req_id, token)
+        for d, y in request.append(token):
+            labels[d.position - 1] = y
+        if t + 1 < n:  # a draft after every output token but the last
+            draft = drafter.draft(req_id, request.tokens)
+            rows.append(request.draft_context(draft))
+            if draft.token_ids:
+                request.add(draft)
+    for d, y in request.finish():
+        labels[d.position - 1] = y
+    drafter.stop(req_id)
+    drafts = [r.draft for r in rows]
+    return _TraceRows(trace, n, np.arange(1, max(n, 1), dtype=np.int32),
+                      np.fromiter((len(d.token_ids) for d in drafts), dtype=np.int16, count=len(drafts)),
+                      np.array(labels, dtype=np.int16),
+                      np.fromiter((d.score for d in drafts), dtype=np.float32, count=len(drafts)),
+                      feature_matrix(rows, token_classes(tokenizer)))
+
+
+def _concat(parts: list[_TraceRows], records: list[TraceRecord], output_len: np.ndarray,
+            workload: np.ndarray) -> ReplayResult:
+    def cat(name: str, dtype: type, empty_shape: tuple[int, ...] = (0,)) -> np.ndarray:
+        arrays = [getattr(p, name) for p in parts]
+        return np.concatenate(arrays).astype(dtype) if arrays else np.zeros(empty_shape, dtype=dtype)
+
+    trace = np.concatenate([np.full(len(p.position), p.trace, dtype=np.int32) for p in parts]) if parts else np.zeros(0, np.int32)
+    return ReplayResult(
+        trace=trace,
+        position=cat("position", np.int32),
+        draft_len=cat("draft_len", np.int16),
+        label=cat("label", np.int16),
+        score=cat("score", np.float32),
+        features=cat("features", np.float32, (0, NUM_FEATURES)),
+        records=records,
+        output_len=output_len,
+        workload=workload,
+    )
