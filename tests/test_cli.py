@@ -220,3 +220,20 @@ def test_the_replay_engines_oracles_by_name(argv, oracle):
     assert set(ORACLE_NAMES) == set(ORACLES)
     with pytest.raises(ValueError, match="oracle must be one of \\('gate', 'predictor'\\) or None, got 'length'"):
         run_replay(None, [], None, None, oracle="length")
+
+
+def test_eval_on_each_sources_head(work, warm_db):
+    """--max-tokens-per-source (what `make run` uses): fewer records, whole sessions, and a bad
+    value refused by name before anything is replayed."""
+    tmp, subset = work
+    db, _ = warm_db
+    out = tmp / "head.json"
+    run = hvd("--db", db, "eval", "--traces", str(subset), "--max-tokens-per-source", "200", "--json", str(out),
+              "--no-cache", cwd=tmp)
+    assert run.returncode == 0, run.stderr
+    kept = int(run.stdout.split("kept ")[1].split(" records")[0])
+    assert 0 < kept < 32
+    assert json.loads(out.read_text())["data"]["traces"] <= kept
+    bad = hvd("--db", db, "eval", "--traces", str(subset), "--max-tokens-per-source", "0", cwd=tmp)
+    assert bad.returncode == 2
+    assert "--max-tokens-per-source must be >= 1, got 0" in bad.stderr

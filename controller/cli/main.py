@@ -99,6 +99,9 @@ def _parser() -> _Parser:
                         help=f"share of each source held out (default {DEFAULT_TEST_FRACTION})")
         sp.add_argument("--seed", type=int, default=0, help="seed for the split, training and simulation (default 0)")
         sp.add_argument("--no-cache", action="store_true", help="replay from scratch instead of reusing var/cache")
+        sp.add_argument("--max-tokens-per-source", type=int, metavar="N",
+                        help="only each source's first whole sessions, up to N output tokens per source, in the "
+                             "traces' order (default: every record)")
 
     w = sub.add_parser("warmstart", help="replay traces, train the predictor, store it as the champion",
                        description="Replay the traces through the suffix cache, label every draft with its oracle "
@@ -251,8 +254,11 @@ def _dataset(args: argparse.Namespace):
     from predictor.replay.dataset import build_dataset
     from predictor.replay.trace_replay_cache import DEFAULT_CACHE_DIR
 
+    if args.max_tokens_per_source is not None and args.max_tokens_per_source < 1:
+        raise ValueError(f"--max-tokens-per-source must be >= 1, got {args.max_tokens_per_source}")
     return build_dataset(args.traces, skip_bad=args.skip_bad, test_fraction=args.test_fraction, seed=args.seed,
-                         cache_dir=None if args.no_cache else DEFAULT_CACHE_DIR, max_record_bytes=args.max_record_bytes)
+                         cache_dir=None if args.no_cache else DEFAULT_CACHE_DIR, max_record_bytes=args.max_record_bytes,
+                         max_tokens_per_source=args.max_tokens_per_source)
 
 
 def _warmstart(args: argparse.Namespace, engine) -> int:

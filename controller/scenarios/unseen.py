@@ -29,6 +29,7 @@ from controller.cli.serve_traces import ReplayServeOptions, serve_replay
 from controller.scenarios.defaults import MAX_TOKENS, REPEATS
 from controller.scenarios.defaults import UNSEEN_WINDOW_TOKENS as WINDOW_TOKENS
 from controller.scenarios.shift import fresh_db
+from predictor.data.streams import source_heads
 from predictor.data.traces import TraceRecord
 from predictor.drafting.features import schema_hash
 from predictor.evaluation.gate_quality import precision_recall
@@ -109,17 +110,8 @@ def sources(records: Sequence[TraceRecord]) -> list[str]:
 def stream_of(data: Dataset, source: str, max_tokens: int | None = MAX_TOKENS) -> list[TraceRecord]:
     """S's records in the bundle's order (session, turn): its traffic as it arrived; whole sessions
     until `max_tokens` output tokens when set."""
-    out_len = data.replay.output_len
-    stream, tokens, last = [], 0, None
-    for i, r in enumerate(data.records):
-        if r.source != source:
-            continue
-        if max_tokens is not None and tokens >= max_tokens and r.session_id != last:
-            break
-        stream.append(r)
-        tokens += int(out_len[i])
-        last = r.session_id
-    return stream
+    return [data.records[i] for i in source_heads(data.records, data.replay.output_len, max_tokens)
+            if data.records[i].source == source]
 
 
 def calibration_gap(predicted: np.ndarray, label: np.ndarray) -> float:

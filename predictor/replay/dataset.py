@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from predictor.data.split import DEFAULT_TEST_FRACTION, test_mask
+from predictor.data.streams import source_heads
 from predictor.data.tokens import TraceTokenizer
 from predictor.data.traces import DEFAULT_MAX_RECORD_BYTES, LoadReport, TraceRecord, bundled_traces_path, load_traces
 from predictor.drafting.cache_drafter import SuffixConfig
@@ -36,7 +37,10 @@ class Dataset:
 def build_dataset(paths: Sequence[str | Path] | None = None, skip_bad: bool = False,
                   test_fraction: float = DEFAULT_TEST_FRACTION,
                   seed: int = 0, cache_dir: Path | None = DEFAULT_CACHE_DIR, log: Log = print,
-                  max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES) -> Dataset:
+                  max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+                  max_tokens_per_source: int | None = None) -> Dataset:
+    """`max_tokens_per_source`: only each source's head (predictor.data.streams), for a run that
+    takes minutes; the split is then drawn on that head."""
     paths = list(paths) if paths else [bundled_traces_path()]
     records, report = load_traces(paths, skip_bad=skip_bad, max_record_bytes=max_record_bytes)
     if report.skipped:
@@ -45,6 +49,11 @@ def build_dataset(paths: Sequence[str | Path] | None = None, skip_bad: bool = Fa
         raise ValueError(f"no trace records in {', '.join(map(str, paths))}")
     log(f"loaded {len(records)} records from {', '.join(map(str, paths))}")
     tokenizer = TraceTokenizer()
+    if max_tokens_per_source is not None:
+        lengths = [len(tokenizer.encode_output(r.output)) for r in records]
+        records = [records[i] for i in source_heads(records, lengths, max_tokens_per_source)]
+        log(f"kept {len(records)} records: each source's first whole sessions up to {max_tokens_per_source} "
+            "output tokens")
     step = max(1, len(records) // 20)
 
     def progress(done: int, total: int) -> None:
