@@ -7,7 +7,7 @@ integer >= 1"), which becomes an `EnvError` naming the variable, the value and t
 
 It lives in the lowest layer so that storage (the database URL and timeouts), the predictor (the
 tokenizer) and the dashboard read their variables the way controller/settings.py, the table of
-every HVD_* variable, reads the rest. It imports nothing but the standard library.
+every HVD_* variable, reads the rest. It imports nothing but the standard library and storage.errors.
 """
 from __future__ import annotations
 
