@@ -59,7 +59,10 @@ class Soak:
         with session_scope(self.engine) as s:
             return readback.count(s), readback.count_dead_letters(s)
 
-    def learner_ok_since(self, t: float, timeout: float = 20.0) -> bool:
+    def learner_ok_since(self, t: float, timeout: float = 60.0) -> bool:
+        """The learner reports a success after `t` within `timeout`: a liveness bound, generous for
+        2 shared cores running two serving processes and the test (20 s failed once in a full run on an
+        AVX2 machine and passed alone in 160 s)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with session_scope(self.engine) as s:
