@@ -65,8 +65,8 @@ $(EAGLE_HEAD_RANDOM)/config.json: $(MODEL_FP32)/config.json tools/make_eagle3_he
 # the offline evaluation on the same slice (its replay is cached by the warm start), then a short run
 # of the self-tuning service on the replay engine (RUN_REQUESTS requests). RUN_TOKENS=0 works on the
 # whole bundle (about 20 minutes on 2 cores: the figures in docs/results/ come from that).
-RUN_TOKENS ?= 40000
-RUN_REQUESTS ?= 500
+RUN_TOKENS ?= 32000
+RUN_REQUESTS ?= 400
 RUN_SLICE := $(if $(filter 0,$(RUN_TOKENS)),,--max-tokens-per-source $(RUN_TOKENS))
 run: setup
 	$(HVD) --db $(DB) versions | grep -q '^\*' || $(HVD) --db $(DB) warmstart $(RUN_SLICE)
