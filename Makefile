@@ -64,7 +64,8 @@ $(EAGLE_HEAD_RANDOM)/config.json: $(MODEL_FP32)/config.json tools/make_eagle3_he
 # each bundled source's first sessions (RUN_TOKENS output tokens per source) if there is no champion,
 # the offline evaluation on the same slice (its replay is cached by the warm start), then a short run
 # of the self-tuning service on the replay engine (RUN_REQUESTS requests). RUN_TOKENS=0 works on the
-# whole bundle (about 20 minutes on 2 cores: the figures in docs/results/ come from that).
+# whole bundle (about 20 minutes on 2 AVX512-BF16 cores, longer on AVX2 ones; the figures in
+# docs/results/ come from the whole bundle).
 RUN_TOKENS ?= 32000
 RUN_REQUESTS ?= 400
 RUN_SLICE := $(if $(filter 0,$(RUN_TOKENS)),,--max-tokens-per-source $(RUN_TOKENS))
