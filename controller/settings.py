@@ -17,12 +17,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 # The parsing machinery is storage's (the lowest layer, so storage, predictor and dashboard read
-# their variables the same way); its parsers are re-exported here for the table's users.
-from storage.env import (  # noqa: F401
-    FALSE,
-    TRUE,
+# their variables the same way).
+from storage.env import (
     EnvError,
-    int_at_least,
     number,
     one_of,
     parse_flag,
