@@ -159,7 +159,7 @@ def test_events_reach_sql_in_batches(tmp_path, records, tokenizer, gate):
 def test_overrides_and_corrections_reach_the_decision(tokenizer):
     from datetime import datetime, timedelta, timezone
 
-    from controller.core.runtime import Controls
+    from controller.core.snapshot import Controls
     from storage.overrides import ActiveOverride, OverrideSnapshot
 
     gate = match_len_gate()  # predicts the match length

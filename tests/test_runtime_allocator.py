@@ -11,7 +11,8 @@ import pytest
 
 from controller.core.decision import CACHE, MODEL, NONE, DecisionConfig
 from controller.core.events import EventQueue, LabelledEvent
-from controller.core.runtime import Controls, RequestInput, Runtime
+from controller.core.runtime import RequestInput, Runtime
+from controller.core.snapshot import Controls
 from controller.core.tau_tuner import TauTuner
 from controller.engines.trace_engine import run_replay
 from controller.services.event_writer import EventWriter

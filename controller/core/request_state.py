@@ -30,6 +30,8 @@ class VerifiedDraft:
     position: int
     draft_len: int  # tokens verified: the cache draft's prefix, or the step's model draft length k
     model: bool  # the model drafter's draft (else a cache prefix)
+    version_id: int | None = None  # the predictor version of the step that planned it (model drafts' events)
+    tracked: TrackedDraft | None = None  # the cache draft verified (its record learns what was verified)
 
 
 @dataclass(slots=True)

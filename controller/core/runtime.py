@@ -23,8 +23,8 @@ from __future__ import annotations
 import logging
 import time
 from datetime import datetime, timezone
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -33,6 +33,7 @@ from controller.core.decision import (CACHE, MODEL, NONE, OFF_CACHE, OFF_MODEL, 
                                       effective_rule, fallback_sources, rule_thresholds)
 from controller.core.events import DRAFTER_CACHE, DRAFTER_MODEL, EventQueue, LabelledEvent
 from controller.core.request_state import CacheDraftRecord, RequestState, VerifiedDraft
+from controller.core.snapshot import Controls, ServingSnapshot
 from predictor.decision.allocator import AUTO, FORCE_MODEL, FORCE_NONE, FULL_CACHE, NO_CACHE, allocate
 from predictor.decision.profiles import known_survival
 from predictor.drafting.cache_drafter import CacheDrafter, SuffixConfig
@@ -40,10 +41,9 @@ from predictor.drafting.common_prefix import lcp
 from predictor.drafting.features import NUM_FEATURES, DraftContext, feature_matrix
 from predictor.drafting.hindsight import Hindsight, TrackedDraft
 from predictor.drafting.token_classes import TokenClasses
-from predictor.gate.calibration import Calibration
 from predictor.gate.calibration import apply as apply_calibration
 from predictor.gate.mlp import GatePredictor
-from storage.overrides import OverrideSnapshot
+from storage.overrides import EffectiveTau
 from storage.workloads import WORKLOADS
 
 if TYPE_CHECKING:
@@ -68,6 +68,10 @@ class RequestInput:
     # request's cache draft is decided by its true accepted length instead of the gate's curve
     # (a perfect predictor; its events still carry the gate's predictions).
     continuation: Sequence[int] | np.ndarray | None = None
+    # Draft tokens the engine verified for this request in the step that produced `new_tokens`
+    # (vLLM's scheduled spec tokens): fewer than planned when its scheduler cut the draft to fit
+    # the token budget, 0 when the request was preempted before verifying. None: what was planned.
+    verified: int | None = None
 
 
 @dataclass
@@ -100,6 +104,7 @@ class RuntimeStats:
     verified_accepted: int = 0
     accepted_count: dict[int, int] = field(default_factory=dict)  # verified drafts per number of tokens accepted
     truncated: int = 0  # cache drafts verified shorter than the cache made them
+    engine_cut: int = 0  # planned drafts the engine verified shorter than planned (or not at all)
     model_k_steps: dict[int, int] = field(default_factory=dict)  # steps per model draft length
     mixed_steps: int = 0  # steps verifying cache and model drafts side by side
 
@@ -110,16 +115,45 @@ class RuntimeStats:
         self.accepted_count[accepted] = self.accepted_count.get(accepted, 0) + 1
 
 
+@dataclass(frozen=True)
+class _Observed:
+    """Observe: the step's requests after taking in their tokens, and the step's cache drafts."""
+
+    states: list[RequestState]
+    rows: "_StepDrafts"
+    main_row: np.ndarray  # the row of each request's draft at its current position (-1: none)
+    workload: np.ndarray  # each request's workload index
+    allowed: np.ndarray  # bool: the request may speculate this step
+
+
+@dataclass(frozen=True)
+class _Scored:
+    """Score: the gate's view of every draft of the step, and of each request's own."""
+
+    x: np.ndarray  # the feature rows of every draft (shadow drafts included)
+    row_pred: np.ndarray  # each draft's expected accepted length
+    lengths: np.ndarray  # per request: its cache draft's length (0: none)
+    predicted: np.ndarray  # per request: its cache draft's expected accepted length (NaN: none)
+    curves: np.ndarray | None  # per request: its cache draft's survival curve (the allocator only)
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """Plan: what each request verifies."""
+
+    source: np.ndarray  # NONE, CACHE or MODEL per request
+    verify_len: np.ndarray  # tokens verified per request
+    model_k: int
+    tau: np.ndarray  # the tau each request was held to
+    auto_tau: np.ndarray  # its automatic tau (what the events carry)
+
+
 class Runtime:
     def __init__(self, gate: GatePredictor, classes: TokenClasses, decision: DecisionConfig | None = None,
                  events: EventQueue | None = None, version_id: int | None = None,
                  suffix: SuffixConfig | None = None, clock=time.time,
                  drafter_factory: Callable[[SuffixConfig | None], CacheDrafter] = CacheDrafter,
                  shadow_drafts: bool = True, stats_sink=None, metrics: "HvdMetrics | None" = None) -> None:
-        self.gate = gate
-        self.version_id = version_id
-        # workloads served by their own champion (promoted for that workload): {workload: (gate, version)}
-        self.workload_gates: dict[str, tuple[GatePredictor, int]] = {}
         self.classes = classes
         self.decision = decision or DecisionConfig()
         self.events = events if events is not None else EventQueue()
@@ -143,56 +177,107 @@ class Runtime:
         # length at the configured k is what the binary rule calls mu_e.
         self.model_curves = self.decision.model_survival()
         self.mu_e = {w: self.model_curves.mean_accepted(i) for i, w in enumerate(WORKLOADS)}
-        self.controls = Controls()
-        self._clock = clock
+        self._clock = clock  # the one clock: event times and override expiry
         self._told_binary = False
-        self._choose_rule()
+        self._snapshot = ServingSnapshot(gate, version_id, self._rule_for(gate, version_id))
         self._report_versions()
 
-    def set_controls(self, controls: "Controls") -> None:
-        """New learned corrections and overrides (from the control poller), used from the next step."""
-        self.controls = controls
+    # ---------------------------------------------------------------- the control plane
+    @property
+    def snapshot(self) -> ServingSnapshot:
+        """What the next step decides with."""
+        return self._snapshot
+
+    def publish(self, *, gate: GatePredictor | None = None, version_id: int | None = None,
+                workload_gates: Mapping[str, tuple[GatePredictor, int]] | None = None,
+                controls: Controls | None = None) -> None:
+        """A new snapshot from any thread (the control poller): the given parts replace the current
+        ones in one assignment; a step already running keeps the snapshot it started with. A new
+        `gate` comes with its `version_id`."""
+        old = self._snapshot
+        if gate is None:
+            gate, version_id = old.gate, old.version_id
+        snap = ServingSnapshot(gate, version_id,
+                               old.rule if gate is old.gate else self._rule_for(gate, version_id),
+                               dict(workload_gates) if workload_gates is not None else old.workload_gates,
+                               controls if controls is not None else old.controls)
+        self._snapshot = snap
+        if (snap.version_id, dict(snap.workload_gates)) != (old.version_id, dict(old.workload_gates)):
+            self._report_versions()
+
+    def set_controls(self, controls: Controls) -> None:
+        """New learned corrections and overrides, used from the next step."""
+        self.publish(controls=controls)
 
     def set_gate(self, gate: GatePredictor, version_id: int | None) -> None:
         """Swap the predictor between steps (a new champion); in-flight drafts keep their version."""
-        self.gate, self.version_id = gate, version_id
-        self._choose_rule()
-        self._report_versions()
+        self.publish(gate=gate, version_id=version_id)
 
-    def set_workload_gates(self, gates: dict[str, tuple[GatePredictor, int]]) -> None:
-        """The per-workload champions (from the control poller); workloads not in it use `gate`."""
-        self.workload_gates = dict(gates)
-        self._report_versions()
+    def set_workload_gates(self, gates: Mapping[str, tuple[GatePredictor, int]]) -> None:
+        """The per-workload champions; workloads not in it use `gate`."""
+        self.publish(workload_gates=gates)
+
+    @property
+    def gate(self) -> GatePredictor:
+        return self._snapshot.gate
+
+    @property
+    def version_id(self) -> int | None:
+        return self._snapshot.version_id
+
+    @property
+    def workload_gates(self) -> Mapping[str, tuple[GatePredictor, int]]:
+        return self._snapshot.workload_gates
+
+    @property
+    def controls(self) -> Controls:
+        return self._snapshot.controls
+
+    @property
+    def rule(self) -> str:
+        return self._snapshot.rule
 
     def version_for(self, workload: str) -> int | None:
         """The predictor version deciding `workload`'s drafts."""
-        own = self.workload_gates.get(workload)
-        return own[1] if own is not None else self.version_id
+        return self._snapshot.version_for(workload)
 
     def _report_versions(self) -> None:
         if self.metrics is not None:
-            self.metrics.versions(self.version_id, {w: self.version_for(w) for w in WORKLOADS})
+            snap = self._snapshot
+            self.metrics.versions(snap.version_id, {w: snap.version_for(w) for w in WORKLOADS})
 
-    def _choose_rule(self) -> None:
-        """The rule this predictor serves with: a point-estimate version keeps the binary rule."""
-        self.rule = effective_rule(self.decision.rule, self.gate.kind)
-        if self.rule != self.decision.rule and not self._told_binary:
+    def _rule_for(self, gate: GatePredictor, version_id: int | None) -> str:
+        """The rule a predictor serves with: a point-estimate version keeps the binary rule."""
+        rule = effective_rule(self.decision.rule, gate.kind)
+        if rule != self.decision.rule and not self._told_binary:
             self._told_binary = True
             _log.warning("predictor v%s is a point estimate (no survival curve): deciding with the binary rule "
                          "instead of the %s; a survival predictor (hvd warmstart) brings it back",
-                         self.version_id, self.decision.rule)
+                         version_id, self.decision.rule)
+        return rule
 
     # ---------------------------------------------------------------- the step
     def step(self, inputs: Sequence[RequestInput], finished: Sequence[str] = ()) -> StepPlan:
+        """One engine step: observe, score, plan, commit, all on one snapshot of the control plane."""
         for req_id in finished:
             self.finish(req_id)
         for inp in inputs:
             self._check(inp)
-        n = len(inputs)
+        snap = self._snapshot
+        now = self._clock()
         self.stats.steps += 1
+        observed = self._observe_step(inputs)
+        scored = self._score(snap, observed, inputs)
+        planned = self._plan(snap, observed, scored, now)
+        return self._commit(snap, observed, scored, planned, now)
+
+    def _observe_step(self, inputs: Sequence[RequestInput]) -> _Observed:
+        """Every request takes in its tokens (labelling the drafts they decide) and, if it may
+        speculate, drafts from the suffix cache at its current position."""
+        n = len(inputs)
         speculating = self.decision.speculation_allowed(n)
         rows = _StepDrafts()
-        main_row = np.full(n, -1, dtype=np.int64)  # the row of each request's draft at its current position
+        main_row = np.full(n, -1, dtype=np.int64)
         workload = np.zeros(n, dtype=np.int64)
         states = []
         for i, inp in enumerate(inputs):
@@ -202,39 +287,55 @@ class Runtime:
             workload[i] = st.hindsight.workload
             if drafting:
                 main_row[i] = self._draft(st, rows)
-        has_row = main_row >= 0
-        main = main_row[has_row]
+        allowed = np.array([st.speculate for st in states], dtype=bool) & speculating
+        return _Observed(states, rows, main_row, workload, allowed)
+
+    def _score(self, snap: ServingSnapshot, ob: _Observed, inputs: Sequence[RequestInput]) -> _Scored:
+        """The gate once over every draft of the step; each request's own draft's expected length
+        (and curve, for the allocator), or its true one where a replay engine serves the upper bound."""
+        n = len(ob.states)
+        has_row = ob.main_row >= 0
+        main = ob.main_row[has_row]
+        allocating = snap.rule == "allocator"
+        x, row_pred, row_curves = self._predict(snap, ob.rows, curves=allocating)
         lengths = np.zeros(n, dtype=np.int64)
         predicted = np.full(n, np.nan, dtype=np.float32)
-        allocating = self.rule == "allocator"
-        x, row_pred, row_curves = self._predict(rows, curves=allocating)
-        lengths[has_row] = rows.lengths()[main]
+        lengths[has_row] = ob.rows.lengths()[main]
         predicted[has_row] = row_pred[main]
-        known = _known_lengths(inputs, rows, main_row)  # None unless a replay engine serves a perfect predictor
+        known = _known_lengths(inputs, ob.rows, ob.main_row)  # None unless a replay engine serves a perfect predictor
         if known is not None:
             predicted = np.where(np.isnan(known), predicted, known).astype(np.float32)
-        allowed = np.array([st.speculate for st in states], dtype=bool) & speculating
-        k = self.decision.model_draft_len
+        curves = None
         if allocating:
             curves = np.zeros((n, row_curves.shape[1]), dtype=np.float32)
             curves[has_row] = row_curves[main]
             if known is not None:
                 sure = ~np.isnan(known)
                 curves[sure] = known_survival(known[sure], curves.shape[1])
-            plan_source, verify_len, model_k, tau, auto_tau = self._allocate(states, workload, curves, predicted,
-                                                                             lengths, allowed)
+        return _Scored(x, row_pred, lengths, predicted, curves)
+
+    def _plan(self, snap: ServingSnapshot, ob: _Observed, sc: _Scored, now: float) -> _Planned:
+        """The rule the snapshot serves with decides what each request verifies."""
+        if snap.rule == "allocator":
+            return self._allocate(snap, ob.states, ob.workload, sc.curves, sc.predicted, sc.lengths, ob.allowed, now)
+        if snap.rule == "arctic":
+            source, tau = self._decide_arctic(ob.rows, ob.main_row, sc.lengths, ob.allowed)
         else:
-            if self.rule == "arctic":
-                plan_source, tau = self._decide_arctic(rows, main_row, lengths, allowed)
-            else:
-                plan_source, tau = self._decide(states, predicted, lengths, allowed)
-            model_k = k if (plan_source == MODEL).any() else 0
-            verify_len = np.where(plan_source == CACHE, lengths, np.where(plan_source == MODEL, k, 0))
-            auto_tau = tau
-        is_cache = plan_source == CACHE
-        source = plan_source.tolist()
-        cut = np.where(is_cache, verify_len, 0).tolist()  # cache tokens verified per request
-        row_of, held = main_row.tolist(), auto_tau.tolist()
+            source, tau = self._decide(snap, ob.states, sc.predicted, sc.lengths, ob.allowed, now)
+        k = self.decision.model_draft_len
+        model_k = k if (source == MODEL).any() else 0
+        verify_len = np.where(source == CACHE, sc.lengths, np.where(source == MODEL, k, 0))
+        return _Planned(source, verify_len, model_k, tau, tau)
+
+    def _commit(self, snap: ServingSnapshot, ob: _Observed, sc: _Scored, pl: _Planned, now: float) -> StepPlan:
+        """Every draft of the step gets its record; what is verified is remembered until the engine
+        reports it; decisions go to the counters; the plan goes back to the engine."""
+        rows, states = ob.rows, ob.states
+        has_row = ob.main_row >= 0
+        is_cache = pl.source == CACHE
+        source = pl.source.tolist()
+        cut = np.where(is_cache, pl.verify_len, 0).tolist()  # cache tokens verified per request
+        row_of, held = ob.main_row.tolist(), pl.auto_tau.tolist()
         decision = ["shadow"] * len(rows)
         row_tau = [float("nan")] * len(rows)
         row_verified: list[int | None] = [None] * len(rows)
@@ -242,26 +343,26 @@ class Runtime:
             decision[row_of[i]], row_tau[row_of[i]] = SOURCE_NAMES[source[i]], held[i]
             if source[i] == CACHE:
                 row_verified[row_of[i]] = cut[i]
-        self._record(rows, x, row_pred, decision, row_tau, row_verified)
+        self._record(snap, rows, sc.x, sc.row_pred, decision, row_tau, now, row_verified)
         stats = self.stats
-        for st, src, c in zip(states, source, cut):
+        for i, (st, src, c) in enumerate(zip(states, source, cut)):
             stats.decisions[SOURCE_NAMES[src]] += 1
             if src == MODEL:
-                st.verifying = VerifiedDraft(st.hindsight.output_len, model_k, True)
+                st.verifying = VerifiedDraft(st.hindsight.output_len, pl.model_k, True, snap.version_for(st.workload))
             elif src == CACHE:
-                st.verifying = VerifiedDraft(st.hindsight.output_len, c, False)
-        if model_k:
-            stats.model_k_steps[model_k] = stats.model_k_steps.get(model_k, 0) + 1
+                st.verifying = VerifiedDraft(st.hindsight.output_len, c, False, None, rows.owners[row_of[i]][1])
+        if pl.model_k:
+            stats.model_k_steps[pl.model_k] = stats.model_k_steps.get(pl.model_k, 0) + 1
             if is_cache.any():
                 stats.mixed_steps += 1
-        stats.truncated += int(np.count_nonzero(is_cache & (verify_len < lengths)))
+        stats.truncated += int(np.count_nonzero(is_cache & (pl.verify_len < sc.lengths)))
         if self.metrics is not None:
-            self.metrics.step(states, source, held)
+            self.metrics.step(states, source, pl.auto_tau.tolist())
         cache_drafts = [rows.contexts[r].draft.token_ids if r >= 0 else [] for r in row_of]
         drafts = [d[:c] if c else [] for d, c in zip(cache_drafts, cut)]
-        self._report_emitted()
-        return StepPlan([st.req_id for st in states], plan_source, drafts, predicted, tau, lengths, cache_drafts,
-                        model_k)
+        self._report_emitted(snap, now)
+        return StepPlan([st.req_id for st in states], pl.source, drafts, sc.predicted, pl.tau, sc.lengths,
+                        cache_drafts, pl.model_k)
 
     def finish(self, req_id: str, last_tokens: Sequence[int] | np.ndarray = ()) -> None:
         """The request ended (after emitting `last_tokens`, if the engine has not reported them):
@@ -269,19 +370,21 @@ class Runtime:
         st = self.requests.get(req_id)
         if st is None:
             return
+        snap = self._snapshot
+        now = self._clock()
         if len(last_tokens):
             rows = _StepDrafts()
             self._observe(RequestInput(req_id, last_tokens, None, st.tenant, st.workload, st.speculate), rows,
                           shadow=self.shadow_drafts and st.speculate)
-            x, row_pred, _ = self._predict(rows)
-            self._record(rows, x, row_pred, ["shadow"] * len(rows), [float("nan")] * len(rows))
-            self._report_emitted()
+            x, row_pred, _ = self._predict(snap, rows)
+            self._record(snap, rows, x, row_pred, ["shadow"] * len(rows), [float("nan")] * len(rows), now)
+            self._report_emitted(snap, now)
         del self.requests[req_id]
         st.verifying = None  # planned after the last token: never verified
         for tracked, label in st.hindsight.finish():
             record = st.records.pop(tracked)
             if record.position < st.hindsight.output_len:  # a draft made after the last token says nothing
-                self._emit_cache(st, record, label)
+                self._emit_cache(st, record, label, now)
         self.drafter.stop(req_id)
 
     def reset_cache(self) -> None:
@@ -293,6 +396,8 @@ class Runtime:
     # ---------------------------------------------------------------- internals
     def _check(self, inp: RequestInput) -> None:
         """Refuse a bad request before the step changes anything."""
+        if inp.verified is not None and inp.verified < 0:
+            raise RequestInputError(f"request {inp.req_id!r}: verified must be >= 0, got {inp.verified}")
         if inp.req_id in self.requests:
             return
         if inp.prompt is None:
@@ -320,11 +425,7 @@ class Runtime:
             tally[0] += len(new)
             tally[1] += 1
         if st.verifying is not None:
-            v = st.verifying
-            accepted = max(0, min(len(new) - 1, v.draft_len))
-            self.stats.count_verified(v.draft_len, accepted)
-            if v.model:
-                self._emit_model(st, v, accepted)
+            self._settle(st, st.verifying, inp.verified, len(new))
             st.verifying = None
         chunks = [new[j : j + 1] for j in range(len(new))] if shadow and len(new) > 1 else [new]
         for j, chunk in enumerate(chunks):
@@ -335,10 +436,28 @@ class Runtime:
                 if record is None:  # drafted in this step: labelled once the step has scored it
                     rows.labelled.append((st, tracked, label))
                 else:
-                    self._emit_cache(st, record, label)
+                    self._emit_cache(st, record, label, self._clock())
             if shadow and j < len(chunks) - 1:
                 self._draft(st, rows)
         return st
+
+    def _settle(self, st: RequestState, v: VerifiedDraft, verified: int | None, emitted: int) -> None:
+        """The engine's verdict on the draft planned for the request last time it ran: `verified`
+        of its tokens were verified (None: all that were planned; fewer when the scheduler cut the
+        draft to its token budget; 0 when the request was preempted first) and `emitted` - 1 of
+        them accepted. Only what was verified counts: the statistics, the model drafter's live
+        curve and the cache draft's recorded verified length."""
+        n = v.draft_len if verified is None else min(verified, v.draft_len)
+        if n < v.draft_len:
+            self.stats.engine_cut += 1
+            if v.tracked is not None and v.tracked in st.records:
+                st.records[v.tracked] = replace(st.records[v.tracked], verified_len=n)
+        if n == 0:
+            return
+        accepted = max(0, min(emitted - 1, n))
+        self.stats.count_verified(n, accepted)
+        if v.model:
+            self._emit_model(st, v, n, accepted)
 
     def _draft(self, st: RequestState, rows: "_StepDrafts") -> int:
         """Draft at the request's current position; the draft joins its history at once (later
@@ -348,34 +467,34 @@ class Runtime:
             return -1
         return rows.add(st, st.hindsight.draft_context(d), st.hindsight.add(d))
 
-    def _predict(self, rows: "_StepDrafts", curves: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    def _predict(self, snap: ServingSnapshot, rows: "_StepDrafts",
+                 curves: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """The feature matrix of the step's drafts and the gate's predictions, one call for all;
         with `curves`, each draft's survival curve too (the prediction is then its sum)."""
         if not len(rows):
             x = np.zeros((0, NUM_FEATURES), dtype=np.float32)
-            return x, np.zeros(0, dtype=np.float32), (self.gate.survival(x) if curves else None)
+            return x, np.zeros(0, dtype=np.float32), (snap.gate.survival(x) if curves else None)
         x = feature_matrix(rows.contexts, self.classes)
-        groups = self._gate_groups(rows)
-        calibrating = bool(self.controls.calibrations) and self.gate.kind == "survival"
+        groups = self._gate_groups(snap, rows)
+        calibrating = bool(snap.controls.calibrations) and snap.gate.kind == "survival"
         if curves or calibrating:
-            s = self.gate.survival(x) if not groups else self._by_gate(groups, x, lambda g, xs: g.survival(xs))
+            s = snap.gate.survival(x) if not groups else self._by_gate(groups, x, lambda g, xs: g.survival(xs))
             if calibrating:
-                s = self._calibrate(rows, s)
+                s = self._calibrate(snap, rows, s)
             return x, s.sum(axis=1), (s if curves else None)
-        return x, (self.gate.predict(x) if not groups else self._by_gate(groups, x, lambda g, xs: g.predict(xs))), None
+        return x, (snap.gate.predict(x) if not groups else self._by_gate(groups, x, lambda g, xs: g.predict(xs))), None
 
-    def _gate_groups(self, rows: "_StepDrafts") -> list[tuple[GatePredictor, np.ndarray]] | None:
+    @staticmethod
+    def _gate_groups(snap: ServingSnapshot, rows: "_StepDrafts") -> list[tuple[GatePredictor, np.ndarray]] | None:
         """Rows by the gate that decides them (None: all by the champion); notes each row's version."""
-        if not self.workload_gates:
+        if not snap.workload_gates:
             rows.versions = None
             return None
-        names = [st.workload for st, _ in rows.owners]
-        rows.versions = [self.version_for(w) for w in names]
+        rows.versions = [snap.version_for(st.workload) for st, _ in rows.owners]
         groups: dict[int | None, list[int]] = {}
         for r, v in enumerate(rows.versions):
             groups.setdefault(v, []).append(r)
-        gates = {v: g for g, v in self.workload_gates.values()}
-        return [(gates.get(v, self.gate) if v != self.version_id else self.gate, np.array(idx)) for v, idx in groups.items()]
+        return [(snap.gate_for_version(v), np.array(idx)) for v, idx in groups.items()]
 
     @staticmethod
     def _by_gate(groups, x: np.ndarray, score) -> np.ndarray:
@@ -385,10 +504,11 @@ class Runtime:
             out[idx] = values
         return out
 
-    def _calibrate(self, rows: "_StepDrafts", curves: np.ndarray) -> np.ndarray:
+    @staticmethod
+    def _calibrate(snap: ServingSnapshot, rows: "_StepDrafts", curves: np.ndarray) -> np.ndarray:
         """The fast per-position correction of each draft's curve: its tenant's for its workload if
         the leader fitted one, else its workload's, else none."""
-        table = self.controls.calibrations
+        table = snap.controls.calibrations
         slope = np.ones(curves.shape)
         bias = np.zeros(curves.shape)
         hit = False
@@ -398,24 +518,23 @@ class Runtime:
                 slope[r], bias[r], hit = c.slope[: curves.shape[1]], c.bias[: curves.shape[1]], True
         return apply_calibration(curves, rows.lengths(), slope, bias) if hit else curves
 
-    def _record(self, rows: "_StepDrafts", x: np.ndarray, predicted: np.ndarray, decision: list[str],
-                tau: list[float], verified: list[int | None] | None = None) -> None:
-        """Each draft of the step gets its record, complete; the drafts this step both made and
-        labelled go out now."""
+    def _record(self, snap: ServingSnapshot, rows: "_StepDrafts", x: np.ndarray, predicted: np.ndarray,
+                decision: list[str], tau: list[float], now: float, verified: list[int | None] | None = None) -> None:
+        """Each draft of the step gets its record, complete, credited to the version that scored
+        it; the drafts this step both made and labelled go out now."""
         for r, (st, tracked) in enumerate(rows.owners):
             st.records[tracked] = CacheDraftRecord(tracked.position, len(tracked.tokens), decision[r],
                                                    float(predicted[r]), tau[r],
-                                                   self.version_id if rows.versions is None else rows.versions[r],
+                                                   snap.version_id if rows.versions is None else rows.versions[r],
                                                    x[r].tobytes(),
                                                    None if verified is None else verified[r])
         self.stats.cache_drafts += len(rows)
         for st, tracked, label in rows.labelled:
-            self._emit_cache(st, st.records.pop(tracked), label)
+            self._emit_cache(st, st.records.pop(tracked), label, now)
 
-    def _allocate(self, states: list[RequestState], workload: np.ndarray, curves: np.ndarray, predicted: np.ndarray,
-                  lengths: np.ndarray, allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, np.ndarray, np.ndarray]:
-        """The allocator's plan for the step: (source, tokens verified per request, the model draft
-        length k, the tau each request was held to, its automatic tau).
+    def _allocate(self, snap: ServingSnapshot, states: list[RequestState], workload: np.ndarray, curves: np.ndarray,
+                  predicted: np.ndarray, lengths: np.ndarray, allowed: np.ndarray, now: float) -> _Planned:
+        """The allocator's plan for the step.
 
         Constraints per request: opted out or backed off -> nothing; the model drafter's curve has
         no columns without a model fallback (or in a cache-only back-off); a fixed tau (the
@@ -436,42 +555,32 @@ class Runtime:
         plan = allocate(curves, lengths, model, d.cost, mode, batch=n)
         auto = plan.tau if d.fixed_tau is None else np.full(n, d.fixed_tau)
         held = auto.copy()
-        if len(self.controls.overrides) and self._apply_overrides(states, auto, predicted, has, allowed, mode, held):
-            plan = allocate(curves, lengths, model, d.cost, mode, batch=n)
+        if len(snap.controls.overrides):
+            changed = False
+            for i, eff in _resolve_overrides(snap.controls, states, auto, allowed, now):
+                if eff.mode == "off_model":
+                    mode[i] = FORCE_MODEL
+                elif eff.mode == "off_cache":
+                    mode[i] = FULL_CACHE if has[i] else FORCE_NONE
+                elif eff.tau is not None and (eff.mode == "fixed" or eff.tau != auto[i]):
+                    held[i] = eff.tau
+                    mode[i] = FULL_CACHE if has[i] and predicted[i] > eff.tau else NO_CACHE
+                else:
+                    continue
+                changed = True
+            if changed:
+                plan = allocate(curves, lengths, model, d.cost, mode, batch=n)
         tau = np.where(mode == AUTO, plan.tau, held)
-        return (plan.source, plan.length, plan.model_k, np.where(has, tau, np.nan).astype(np.float32),
-                np.where(has, auto, np.nan))
+        return _Planned(plan.source, plan.length, plan.model_k, np.where(has, tau, np.nan).astype(np.float32),
+                        np.where(has, auto, np.nan))
 
-    def _apply_overrides(self, states: list[RequestState], auto: np.ndarray, predicted: np.ndarray, has: np.ndarray,
-                         allowed: np.ndarray, mode: np.ndarray, held: np.ndarray) -> bool:
-        """Each allowed request's overrides (precedence tenant+workload > tenant > workload auto >
-        default) turned into its allocator constraint, in place; True if any changed."""
-        now = datetime.now(timezone.utc)
-        resolve = self.controls.overrides.resolve
-        auto_taus = auto.tolist()
-        changed = False
-        for i in np.flatnonzero(allowed).tolist():
-            st = states[i]
-            eff = resolve(st.tenant, st.workload, auto_taus[i], auto_taus[i], now)
-            if eff.mode == "off_model":
-                mode[i] = FORCE_MODEL
-            elif eff.mode == "off_cache":
-                mode[i] = FULL_CACHE if has[i] else FORCE_NONE
-            elif eff.tau is not None and (eff.mode == "fixed" or eff.tau != auto_taus[i]):
-                held[i] = eff.tau
-                mode[i] = FULL_CACHE if has[i] and predicted[i] > eff.tau else NO_CACHE
-            else:
-                continue
-            changed = True
-        return changed
-
-    def _decide(self, states: list[RequestState], predicted: np.ndarray, lengths: np.ndarray,
-                allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _decide(self, snap: ServingSnapshot, states: list[RequestState], predicted: np.ndarray, lengths: np.ndarray,
+                allowed: np.ndarray, now: float) -> tuple[np.ndarray, np.ndarray]:
         """The binary rule. tau per request: the goodput rule with its workload's live model-drafter
-        estimate, plus the learned correction of that workload, then the tenant's overrides
-        (precedence tenant+workload > tenant > workload auto > default); then the decision."""
+        estimate, plus the learned correction of that workload, then the tenant's overrides; then
+        the decision."""
         n = len(states)
-        controls = self.controls
+        controls = snap.controls
         mu = np.array([self.mu_e[st.workload] for st in states], dtype=np.float64)
         fallback = fallback_sources(mu, self.decision, n)
         tau = rule_thresholds(lengths, mu, fallback, self.decision)
@@ -479,10 +588,8 @@ class Runtime:
             tau = tau + np.array([controls.corrections.get(st.workload, 0.0) for st in states])
         off = None
         if len(controls.overrides):
-            now = datetime.now(timezone.utc)
             off = np.zeros(n, dtype=np.int8)
-            for i, st in enumerate(states):
-                eff = controls.overrides.resolve(st.tenant, st.workload, float(tau[i]), float(tau[i]), now)
+            for i, eff in _resolve_overrides(controls, states, tau, np.ones(n, dtype=bool), now):
                 if eff.mode == "off_model":
                     off[i] = OFF_MODEL
                 elif eff.mode == "off_cache":
@@ -505,37 +612,37 @@ class Runtime:
         source = decide(score, lengths, np.full(n, threshold - 1e-9), fallback, allowed)
         return source, np.where(lengths > 0, threshold, np.nan).astype(np.float32)
 
-    def _emit_cache(self, st: RequestState, d: CacheDraftRecord, label: int) -> None:
-        self.events.put(LabelledEvent(self._clock(), st.tenant, st.workload, st.req_id, d.position, DRAFTER_CACHE,
+    def _emit_cache(self, st: RequestState, d: CacheDraftRecord, label: int, now: float) -> None:
+        self.events.put(LabelledEvent(now, st.tenant, st.workload, st.req_id, d.position, DRAFTER_CACHE,
                                       d.decision, d.draft_len, label, d.predicted, d.tau, d.version_id, d.features,
                                       d.verified_len))
 
-    def _report_emitted(self) -> None:
+    def _report_emitted(self, snap: ServingSnapshot, now: float) -> None:
         if self._emitted and self.stats_sink is not None:
-            now = self._clock()
             for (tenant, workload), (tokens, cycles) in self._emitted.items():
-                self.stats_sink.add_steps(now, tenant, workload, self.version_id or 0, tokens, cycles)
+                self.stats_sink.add_steps(now, tenant, workload, snap.version_id or 0, tokens, cycles)
         self._emitted = {}
 
-    def _emit_model(self, st: RequestState, m: VerifiedDraft, accepted: int) -> None:
+    def _emit_model(self, st: RequestState, m: VerifiedDraft, verified: int, accepted: int) -> None:
         self.stats.model_drafts += 1
         self.stats.model_accepted += accepted
         w = st.hindsight.workload
-        self.model_curves.observe(w, m.draft_len, accepted)
+        self.model_curves.observe(w, verified, accepted)
         self.mu_e[st.workload] = self.model_curves.mean_accepted(w)
         self.events.put(LabelledEvent(self._clock(), st.tenant, st.workload, st.req_id, m.position, DRAFTER_MODEL,
-                                      "model", m.draft_len, accepted, None, None, self.version_id, None))
+                                      "model", verified, accepted, None, None, m.version_id, None))
 
 
-@dataclass(frozen=True)
-class Controls:
-    """What the control plane tells a running runtime: per-workload corrections to the rule's tau
-    (learned by the leader) and the active overrides. Swapped whole, never mutated."""
-
-    corrections: dict[str, float] = field(default_factory=dict)
-    overrides: OverrideSnapshot = field(default_factory=OverrideSnapshot)
-    # the fast survival corrections for the champion served: {(workload, tenant or None): Calibration}
-    calibrations: dict[tuple[str, str | None], Calibration] = field(default_factory=dict)
+def _resolve_overrides(controls: Controls, states: Sequence[RequestState], auto_tau: np.ndarray, allowed: np.ndarray,
+                       now: float) -> Iterator[tuple[int, EffectiveTau]]:
+    """Each allowed request's effective override (precedence tenant+workload > tenant > workload
+    auto > default) against its automatic tau, at the runtime's clock: the one resolver both
+    rules use."""
+    at = datetime.fromtimestamp(now, timezone.utc)
+    resolve = controls.overrides.resolve
+    taus = auto_tau.tolist()
+    for i in np.flatnonzero(allowed).tolist():
+        yield i, resolve(states[i].tenant, states[i].workload, float(taus[i]), float(taus[i]), at)
 
 
 def _known_lengths(inputs: Sequence[RequestInput], rows: "_StepDrafts", main_row: np.ndarray) -> np.ndarray | None:

@@ -14,7 +14,8 @@ from datetime import datetime, timezone
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from controller.core.runtime import Controls, Runtime
+from controller.core.runtime import Runtime
+from controller.core.snapshot import Controls
 from controller.services.lifecycle import BackgroundService, Health
 from predictor.gate.calibration import Calibration, CalibrationError
 from predictor.gate.mlp import BlobError
@@ -54,13 +55,18 @@ class ControlPoller(BackgroundService):
         except (SQLAlchemyError, StorageError) as exc:
             self.failed(exc)
             return False
-        self.runtime.set_controls(Controls(corrections=corrections, overrides=overrides,
-                                           calibrations=self._calibrations(stored_calibrations)))
+        controls = Controls(corrections=corrections, overrides=overrides,
+                            calibrations=self._calibrations(stored_calibrations))
+        champion = None
         if champion_id is not None and champion_id != self.runtime.version_id:
-            self._load_champion(champion_id)
+            champion = self._load_champion(champion_id)
         elif champion_id == self.runtime.version_id:
             self.champion_problem = None  # e.g. the alias went back to the gate this replica serves
-        self._load_workload_champions(own)
+        gates = self._load_workload_champions(own)
+        # one snapshot: a step sees all of this poll or none of it
+        self.runtime.publish(gate=None if champion is None else champion[1],
+                             version_id=None if champion is None else champion[0],
+                             workload_gates=gates, controls=controls)
         self.succeeded()
         return True
 
@@ -76,7 +82,7 @@ class ControlPoller(BackgroundService):
                 self._bad_calibrations.add(scope)
         return out
 
-    def _load_workload_champions(self, own: dict[str, int]) -> None:
+    def _load_workload_champions(self, own: dict[str, int]) -> dict[str, tuple] | None:
         """Workloads with their own champion get its gate (loaded once per version); one that will
         not load leaves that workload on what it had, said once."""
         current = self.runtime.workload_gates
@@ -99,10 +105,11 @@ class ControlPoller(BackgroundService):
                         gates[workload] = have
                     continue
             gates[workload] = loaded
-        if {w: v for w, (_, v) in gates.items()} != {w: v for w, (_, v) in current.items()}:
-            self.runtime.set_workload_gates(gates)
+        changed = {w: v for w, (_, v) in gates.items()} != {w: v for w, (_, v) in current.items()}
+        return gates if changed else None
 
-    def _load_champion(self, version_id: int) -> None:
+    def _load_champion(self, version_id: int) -> tuple | None:
+        """(version, gate) of the new champion, or None (said once) if it will not load here."""
         try:
             loaded_id, gate = load_gate(self.engine, version_id)
         except (SQLAlchemyError, StorageError, BlobError) as exc:
@@ -111,11 +118,11 @@ class ControlPoller(BackgroundService):
                 log.error("champion %s cannot be loaded on this replica; still serving v%s with current overrides: %s",
                           f"v{version_id}", self.runtime.version_id, exc)
             self.champion_problem = problem
-            return
-        self.runtime.set_gate(gate, loaded_id)
+            return None
         if self.champion_problem is not None:
             log.warning("champion v%s loaded; the earlier load failure is over", loaded_id)
         self.champion_problem = None
+        return loaded_id, gate
 
     def health(self) -> Health:
         """As every service's, with the champion that did not load as the last error while it lasts."""
