@@ -26,11 +26,13 @@ from storage.models import (
     PredictorVersion,
     ReplicaHealth,
     StatBucket,
+    StepCostMinute,
     TauHistory,
     utcnow,
 )
 from storage.overrides import list_overrides, override_state, snapshot
 from storage.stats import ALL, HIST_BINS, LONG
+from storage.step_costs import STEP_PARTS, column, recent_minutes
 from storage.versions import CHAMPION, get_alias_version, version_problem
 
 TENANT_WIDE = "(all)"  # the workload column of an override for every workload of its tenant
@@ -545,6 +547,31 @@ def _services(services: str | None) -> list[dict[str, Any]]:
                      if isinstance(success, (int, float)) else None,
                      "progress": s.get("progress") if isinstance(s.get("progress"), dict) else None})
     return rows
+
+
+STEP_COST_WINDOW = timedelta(hours=1)  # the Health page's engine step costs: the last hour
+
+
+def step_costs(session: Session, now: datetime | None = None,
+               window: timedelta = STEP_COST_WINDOW) -> dict[str, Any] | None:
+    """Each replica's per-minute engine step costs of the last `window` (storage.step_costs), one
+    row per replica and minute, by replica and minute: steps, means, drafter steps, every part's
+    p50 in ms ("<part>_p50_ms") and HVD's share of the step time in % (its summed ms over the
+    steps' summed ms: exact for the minute, unlike a ratio of medians). `newest`: the newest minute
+    stored at all, to say how old the data is when the window is empty. None: the database has no
+    step_cost_minutes table (migrate it)."""
+    if not inspect(session.get_bind()).has_table(StepCostMinute.__tablename__):
+        return None
+    now = utcnow() if now is None else now
+    since = now - window
+    rows = []
+    for m in recent_minutes(session, since):
+        row = {"replica": m.replica, "minute": m.minute, "steps": m.steps, "batch_mean": m.batch_mean,
+               "query_tokens_mean": m.query_tokens_mean, "drafter_steps": m.drafter_steps,
+               "hvd_share_pct": _ratio(100.0 * m.hvd_ms_sum, m.total_ms_sum)}
+        row.update({f"{part}_p50_ms": getattr(m, column(part, "p50")) for part in STEP_PARTS})
+        rows.append(row)
+    return {"since": since, "newest": session.scalar(select(func.max(StepCostMinute.minute))), "minutes": rows}
 
 
 def drift_events(session: Session, limit: int = 200) -> list[dict[str, Any]]:

@@ -335,3 +335,36 @@ class ReplicaHealth(Base):
     events_dead_lettered: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
     services: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON: each background service's state
     flush_ms: Mapped[float] = mapped_column(Float, nullable=False)
+
+
+class StepCostMinute(Base):
+    """What one replica's engine steps cost in one minute, by part (storage.step_costs.STEP_PARTS:
+    target, hvd, drafter, rest and the whole step): the sum, median and 90th percentile in
+    milliseconds. Rows are added to (upsert): steps, sums and drafter steps add, the means are
+    weighted by steps, and the quantiles are those of the larger of the two summaries."""
+
+    __tablename__ = "step_cost_minutes"
+    __table_args__ = (UniqueConstraint("replica", "minute"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    replica: Mapped[str] = mapped_column(Text, nullable=False)
+    minute: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, index=True)  # the minute's start
+    steps: Mapped[int] = mapped_column(Integer, nullable=False)
+    batch_mean: Mapped[float] = mapped_column(Float, nullable=False)  # running requests per step
+    query_tokens_mean: Mapped[float] = mapped_column(Float, nullable=False)  # tokens the target processed per step
+    drafter_steps: Mapped[int] = mapped_column(Integer, nullable=False)  # steps that ran the model drafter
+    target_ms_sum: Mapped[float] = mapped_column(Float, nullable=False)
+    target_ms_p50: Mapped[float] = mapped_column(Float, nullable=False)
+    target_ms_p90: Mapped[float] = mapped_column(Float, nullable=False)
+    hvd_ms_sum: Mapped[float] = mapped_column(Float, nullable=False)
+    hvd_ms_p50: Mapped[float] = mapped_column(Float, nullable=False)
+    hvd_ms_p90: Mapped[float] = mapped_column(Float, nullable=False)
+    drafter_ms_sum: Mapped[float] = mapped_column(Float, nullable=False)
+    drafter_ms_p50: Mapped[float] = mapped_column(Float, nullable=False)
+    drafter_ms_p90: Mapped[float] = mapped_column(Float, nullable=False)
+    rest_ms_sum: Mapped[float] = mapped_column(Float, nullable=False)
+    rest_ms_p50: Mapped[float] = mapped_column(Float, nullable=False)
+    rest_ms_p90: Mapped[float] = mapped_column(Float, nullable=False)
+    total_ms_sum: Mapped[float] = mapped_column(Float, nullable=False)
+    total_ms_p50: Mapped[float] = mapped_column(Float, nullable=False)
+    total_ms_p90: Mapped[float] = mapped_column(Float, nullable=False)

@@ -8,6 +8,7 @@ import json
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 pytest.importorskip("streamlit")
@@ -581,3 +582,68 @@ def test_versions_page_shows_each_workloads_newest_room_to_learn(db):
     rows = shown[["Workload", "Perfect predictor %", "Challenger %", "Drafts replayed"]].values.tolist()
     assert [r[:2] for r in rows] == [["chat", 3.2], ["sql", 5.5]] and rows[1][2] == -0.2
     assert shown["Challenger %"].isna().tolist() == [True, False]  # a probation look tries no challenger
+
+
+def test_health_shows_each_replicas_step_costs_of_the_last_hour(tmp_path, monkeypatch):
+    """r1: twelve minutes in the last hour (minute k ago: 100 + k steps, target p50 40 + k ms, HVD's
+    summed time k% of the step's) and one two hours old; r2: one minute. The table shows each
+    replica's ten newest minutes of the hour, newest first; the chart every minute of the hour."""
+    from storage.models import StepCostMinute
+
+    url = f"sqlite:///{tmp_path / 'hvd.db'}"
+    engine = make_engine(url)
+    upgrade(engine)
+    now = datetime.now(timezone.utc).replace(second=0, microsecond=0)
+
+    def minute(replica: str, ago: timedelta, steps: int, target: float, hvd_share: float) -> StepCostMinute:
+        parts = {"target": target, "hvd": 0.8, "drafter": 5.0, "rest": 2.0, "total": 50.0}
+        return StepCostMinute(replica=replica, minute=now - ago, steps=steps, batch_mean=3.456, query_tokens_mean=9.0,
+                              drafter_steps=steps // 2, hvd_ms_sum=10.0 * hvd_share, total_ms_sum=1000.0,
+                              **{f"{p}_ms_p50": v for p, v in parts.items()},
+                              **{f"{p}_ms_p90": 2 * v for p, v in parts.items()},
+                              **{f"{p}_ms_sum": 100.0 for p in ("target", "drafter", "rest")})
+
+    with session_scope(engine) as s:
+        s.add(StatBucket(bucket_start=T0, tenant="acme", workload="chat", predictor_version_id=1,
+                         accepted_hist=[0] * HIST_BINS, tokens=1, cycles=1))
+        s.add_all(minute("r1", timedelta(minutes=k), 100 + k, 40.0 + k, float(k)) for k in range(1, 13))
+        s.add(minute("r1", timedelta(hours=2), 5, 99.0, 50.0))  # older than the hour: not shown
+        s.add(minute("r2", timedelta(minutes=3), 7, 61.25, 2.345))
+    engine.dispose()
+    monkeypatch.setenv("HVD_DATABASE_URL", url)
+    at = run(page("health"))
+    tables = [d.value for d in at.dataframe if "HVD share (%)" in d.value.columns]
+    assert len(tables) == 2  # r1, then r2
+    r1, r2 = tables
+    assert list(r1.columns) == ["Minute (UTC)", "Steps", "Batch mean", "Target p50 (ms)", "HVD p50 (ms)",
+                                "Drafter p50 (ms)", "Rest p50 (ms)", "HVD share (%)"]
+    assert r1["Steps"].tolist() == [101, 102, 103, 104, 105, 106, 107, 108, 109, 110]  # newest first, ten of twelve
+    assert r1["Target p50 (ms)"].tolist() == [41.0 + k for k in range(10)]
+    assert r1["HVD share (%)"].tolist() == [1.0 + k for k in range(10)]  # 10k ms of 1000 ms
+    assert r1.iloc[0][["Batch mean", "HVD p50 (ms)", "Drafter p50 (ms)", "Rest p50 (ms)"]].tolist() == \
+        [3.46, 0.8, 5.0, 2.0]
+    assert r1.iloc[0]["Minute (UTC)"] == now - timedelta(minutes=1)
+    assert r2[["Steps", "Target p50 (ms)", "HVD share (%)"]].values.tolist() == [[7, 61.25, 2.3]]
+    assert [m.value for m in at.markdown if m.value.startswith("**Replica")] == ["**Replica r1**", "**Replica r2**"]
+    charts = [chart_data(c) for c in at.get("vega_lite_chart")]
+    assert len(charts) == 2
+    r1_chart = charts[0].pivot(index="minute", columns="part", values="p50_ms")  # the whole hour: twelve minutes
+    assert list(r1_chart.index) == [pd.Timestamp(now - timedelta(minutes=k)) for k in range(12, 0, -1)]
+    assert r1_chart["Target"].tolist() == [40.0 + k for k in range(12, 0, -1)]
+    assert set(r1_chart["HVD"]) == {0.8} and set(r1_chart["Drafter"]) == {5.0} and set(r1_chart["Rest"]) == {2.0}
+    assert sorted(charts[1]["p50_ms"]) == [0.8, 2.0, 5.0, 61.25]
+
+
+def chart_data(chart) -> "pd.DataFrame":
+    """The data an altair chart on the page was drawn from (its one dataset, Arrow-encoded)."""
+    import pyarrow as pa
+
+    (dataset,) = chart.proto.datasets
+    return pa.ipc.open_stream(dataset.data.data).read_all().to_pandas()
+
+
+def test_health_says_when_no_step_costs_are_recent(known_db):
+    at = run(page("health"))
+    assert not [d for d in at.dataframe if "HVD share (%)" in d.value.columns]
+    assert any(c.value.startswith("No engine step costs in the last hour: an engine that times its steps")
+               for c in at.caption)

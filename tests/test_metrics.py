@@ -1,7 +1,10 @@
 """The hvd_* Prometheus metrics, counted in a fresh registry: the same numbers the stored statistics
-give for the same events, the tenant cap, the queue's depth and drops, and a runtime's decisions.
+give for the same events, the tenant cap, the queue's depth and drops, a runtime's decisions, and
+each step's cost by part (also across processes, through PROMETHEUS_MULTIPROC_DIR).
 (Scraped from real servers: tests/test_serve_replay.py, tests/test_vllm_server.py.)"""
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +14,7 @@ from controller.core.decision import DecisionConfig
 from controller.core.events import EventQueue, LabelledEvent
 from controller.core.metrics import DEFAULT_MAX_TENANTS, OTHER_TENANT, HvdMetrics
 from controller.core.runtime import Runtime
+from controller.core.step_costs import StepTiming
 from controller.engines.trace_engine import run_replay
 from controller.settings import read
 from predictor.decision.profiles import drafter_profiles
@@ -198,3 +202,61 @@ def test_events_the_writer_drops_in_an_outage_count_as_dropped(tmp_path):
     assert writer.dropped == 4 and writer.failures == 1
     assert value(registry, "hvd_events_dropped_total") == 4 and value(registry, "hvd_event_queue_depth") == 0
     engine.dispose()
+
+
+STEPS = [StepTiming.of(1_700_000_000.0, 4, 12, 3, target=0.05, hvd=0.0004, drafter=0.012, rest=0.003),
+         StepTiming.of(1_700_000_000.2, 4, 4, 0, target=0.02, hvd=0.0002, drafter=0.0, rest=0.001)]
+# per part: (count, sum, cumulative count at one bucket's upper bound)
+STEP_EXPECTED = {"target": (2, 0.07, ("0.02", 1)), "hvd": (2, 0.0006, ("0.00025", 1)),
+                 "drafter": (2, 0.012, ("0.0001", 1)), "rest": (2, 0.004, ("0.001", 1)),
+                 "total": (2, 0.0866, ("0.03", 1))}  # totals 65.4 ms and 21.2 ms
+
+
+def assert_step_seconds(get) -> None:
+    for part, (count, total, (le, below)) in STEP_EXPECTED.items():
+        assert get("hvd_step_seconds_count", {"part": part}) == count, part
+        assert get("hvd_step_seconds_sum", {"part": part}) == pytest.approx(total), part
+        assert get("hvd_step_seconds_bucket", {"part": part, "le": le}) == below, part
+        assert get("hvd_step_seconds_bucket", {"part": part, "le": "2.0"}) == count, part
+
+
+def test_step_seconds_observes_every_part_and_the_total_of_every_step(caplog):
+    registry = CollectorRegistry()
+    metrics = HvdMetrics(registry)
+    samples = {s.labels["part"] for m in registry.collect() for s in m.samples if m.name == "hvd_step_seconds"}
+    assert samples == {"target", "hvd", "drafter", "rest", "total"}  # every series exists from the start, at 0
+    for t in STEPS:
+        metrics.step_seconds(t)
+    assert_step_seconds(registry.get_sample_value)
+    # the drafter did not run in the second step: it still counts, at 0 (sum / count = its cost per step)
+    assert registry.get_sample_value("hvd_step_seconds_bucket", {"part": "drafter", "le": "0.015"}) == 2
+    metrics.step_seconds(None)  # a broken timing is logged once, never raised into the decode path
+    metrics.step_seconds(None)
+    assert sum("HVD metrics: timing a step failed" in r.getMessage() for r in caplog.records) == 1
+    assert_step_seconds(registry.get_sample_value)
+
+
+def test_step_seconds_from_two_processes_meet_in_the_multiprocess_folder(tmp_path):
+    """vLLM's worker observes, its API server answers /metrics: each process writes its own files
+    under PROMETHEUS_MULTIPROC_DIR and the collector adds them up. One timing per process here."""
+    import os
+    import subprocess
+    import sys
+
+    from prometheus_client import multiprocess
+
+    script = ("import sys\n"
+              "from prometheus_client import CollectorRegistry\n"
+              "from controller.core.metrics import HvdMetrics\n"
+              "from controller.core.step_costs import StepTiming\n"
+              "target, hvd, drafter, rest = map(float, sys.argv[1:])\n"
+              "HvdMetrics(CollectorRegistry()).step_seconds(StepTiming.of(1_700_000_000.0, 4, 4, 0, "
+              "target=target, hvd=hvd, drafter=drafter, rest=rest))\n")
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
+    for t in STEPS:
+        subprocess.run([sys.executable, "-c", script, *map(repr, t.parts)], env=env, check=True, timeout=120,
+                       cwd=str(Path(__file__).resolve().parents[1]))
+    assert len(list(tmp_path.glob("histogram_*.db"))) == 2  # one file per process
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(tmp_path))
+    assert_step_seconds(registry.get_sample_value)

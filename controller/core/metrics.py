@@ -12,6 +12,11 @@ Labels are bounded: workload is one of storage.workloads.WORKLOADS (the runtime 
 tenant keeps its name for the first `max_tenants` distinct tenants this process sees and is
 "other" after that, so a flood of tenant names cannot blow up the series count.
 
+Step costs (hvd_step_seconds): the engine times each step and hands the parts to `step_seconds`
+(controller.core.step_costs.StepTiming); every step observes every part, zero included, so each
+part's count is the number of steps and sum / count is what the part costs an average step (the
+drafter's too, in steps that did not run it); a part's share of the step is its sum over the total's.
+
 Observing never raises into the decode path: a failure is logged once and the metrics go on.
 vLLM runs the model runner (and so the runtime) in a worker process while its API server answers
 /metrics; `hvd serve --engine vllm` points PROMETHEUS_MULTIPROC_DIR at a fresh folder, where every
@@ -27,10 +32,11 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
 from controller.core.decision import SOURCE_NAMES
 from controller.core.events import DRAFTER_CACHE, DRAFTER_MODEL, LabelledEvent
+from controller.core.step_costs import SUMMARY_PARTS, StepTiming
 from storage.stats import GATE_OUTCOMES, LONG, gate_outcome, verified_tokens
 from storage.workloads import WORKLOADS
 
@@ -39,6 +45,10 @@ _log = logging.getLogger("hvd.metrics")
 DEFAULT_MAX_TENANTS = 20
 OTHER_TENANT = "other"
 DRAFTERS = (DRAFTER_CACHE, DRAFTER_MODEL)
+# hvd_step_seconds' buckets, 0.1 ms .. 2 s: HVD's part (0.1-1 ms), GPU steps (5-10 ms) and CPU steps
+# (20-200 ms) each fall across several buckets.
+STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
+                0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
 
 _SHARED: "weakref.WeakKeyDictionary[CollectorRegistry, HvdMetrics]" = weakref.WeakKeyDictionary()
 _SHARED_LOCK = threading.Lock()
@@ -110,6 +120,12 @@ class HvdMetrics:
         self.champion_version = Gauge(
             "hvd_champion_version", "Id of the whole stream's champion predictor version the runtime serves "
             "(0: none)", registry=registry, multiprocess_mode="mostrecent")
+        self.step_time = Histogram(
+            "hvd_step_seconds", "Seconds of each engine step by part (part: target = the target model's forward "
+            "and sampling, hvd = HVD's runtime, drafter = the model drafter's proposer, rest = everything else, "
+            "total = the whole step); every step observes every part, zero included, so sum / count is the "
+            "part's cost per step", ("part",), buckets=STEP_BUCKETS, registry=registry)
+        self._step_parts = tuple(self.step_time.labels(p) for p in SUMMARY_PARTS)  # PARTS, then "total"
         self._tenants: set[str] = set()
         self._series: dict[tuple[str, str], _Series] = {}
         self._tau: dict[str, Gauge] = {}  # a workload's series from its first tau on (none: not 0)
@@ -209,6 +225,14 @@ class HvdMetrics:
                 gauge.set(total / count)
         except Exception:
             self._failure("counting a step")
+
+    def step_seconds(self, timing: StepTiming) -> None:
+        """One engine step's parts and total into hvd_step_seconds."""
+        try:
+            for child, seconds in zip(self._step_parts, timing.parts + (timing.total,)):
+                child.observe(seconds)
+        except Exception:
+            self._failure("timing a step")
 
     def versions(self, champion: int | None, by_workload: Mapping[str, int | None]) -> None:
         """The predictor versions now serving: the champion and each workload's (0 for none)."""

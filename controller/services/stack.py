@@ -1,11 +1,13 @@
 """The one wiring of the self-tuning service next to any engine (vLLM plugin, trace replay): the
 runtime the engine calls, and around it the event writer, the statistics writer, the control
-poller and the leader-gated learner.
+poller, the leader-gated learner and the step-cost writer (the engine hands it each step's timing:
+`stack.step_costs.add(StepTiming)`).
 
 The services start in dependency order and stop in reverse (the learner and the poller first, then
-the event writer, which hands its last events to the statistics writer, which stops last), so
-everything queued is written. `synchronous=True` starts no threads: the caller runs `sync_round()`
-between steps, and a run is then a deterministic function of its inputs.
+the event writer, which hands its last events to the statistics writer; the step-cost writer and
+the statistics writer stop last), so everything queued is written. `synchronous=True` starts no
+threads: the caller runs `sync_round()` between steps, and a run is then a deterministic function
+of its inputs.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from controller.services.event_writer import EventWriter, Tally
 from controller.services.learner_service import LearnerService
 from controller.services.lifecycle import Health
 from controller.services.stats_writer import StatsWriter
+from controller.services.step_cost_writer import StepCostWriter
 from predictor.decision.profiles import CostProfile, DrafterProfile
 from predictor.drafting.cache_drafter import SuffixConfig
 from predictor.drafting.token_classes import TokenClasses
@@ -55,15 +58,18 @@ class ServiceStack:
     writer: EventWriter
     poller: ControlPoller
     learner: LearnerService | None
+    step_costs: StepCostWriter | None = None  # what the engine's steps cost, per minute (None: not recorded)
 
     @classmethod
     def build(cls, engine: Engine, decision: DecisionConfig, token_classes: TokenClasses, *, replica: str,
               learn: bool = True, learner_config: LearnerConfig | None = None, leader_lock: bool = True,
               suffix: SuffixConfig | None = None, stats_interval: float = 5.0,
-              poll_interval: float = 2.0, metrics: HvdMetrics | None = None) -> "ServiceStack":
+              poll_interval: float = 2.0, metrics: HvdMetrics | None = None,
+              step_costs: bool = True, step_cost_interval: float = 10.0) -> "ServiceStack":
         """Everything around one runtime, on the current champion. `leader_lock=False`: this
         replica learns without asking (one process, synchronous runs). `metrics`: the Prometheus
-        metrics the runtime counts into (none without)."""
+        metrics the runtime counts into (none without). `step_costs`: a step-cost writer for the
+        engine's step timings, written every `step_cost_interval` seconds under `replica`."""
         version_id, gate = load_gate(engine)
         stats = StatsWriter(engine, flush_interval=stats_interval)
         runtime = Runtime(gate, token_classes, decision, version_id=version_id, suffix=suffix, stats_sink=stats,
@@ -76,13 +82,14 @@ class ServiceStack:
         if learn:
             lock = make_leader_lock(engine, "learner", replica) if leader_lock else None
             service = LearnerService(engine, decision, learner_config, replica=replica, lock=lock, start_at_end=True)
-        stack = cls(runtime, stats, writer, poller, service)
+        costs = StepCostWriter(engine, replica, flush_interval=step_cost_interval) if step_costs else None
+        stack = cls(runtime, stats, writer, poller, service, costs)
         writer.services = stack.health  # the heartbeat row carries every service's state
         return stack
 
     def services(self) -> list:
         """In start order."""
-        return [s for s in (self.stats, self.writer, self.poller, self.learner) if s is not None]
+        return [s for s in (self.stats, self.step_costs, self.writer, self.poller, self.learner) if s is not None]
 
     def start(self) -> "ServiceStack":
         for s in self.services():
@@ -99,10 +106,13 @@ class ServiceStack:
         and stored: in this replica's health row if the database answers, and always as a line of
         `<spill dir>/shutdown.jsonl`. A tally with `lost > 0` should make the process exit non-zero."""
         self.runtime.events.close()
-        threads = [s for s in self.services() if s is not self.writer and s is not self.stats]
+        writers = (self.writer, self.step_costs, self.stats)
+        threads = [s for s in self.services() if s not in writers]
         for s in threads:
             s.stop(min(drain_seconds, 5.0))
         self.writer.stop(drain_seconds, drain_seconds=drain_seconds)
+        if self.step_costs is not None:
+            self.step_costs.stop(min(drain_seconds, 5.0))
         self.stats.stop(drain_seconds)
         tally = self.writer.tally()
         states = [h.to_json() for h in self.health()]
@@ -129,8 +139,9 @@ class ServiceStack:
         return tally
 
     def flush(self) -> bool:
-        """Write every queued event and statistic now."""
-        return all([self.writer.flush(), self.stats.flush()])
+        """Write every queued event and statistic, and every closed minute of step costs, now."""
+        costs = self.step_costs.flush() if self.step_costs is not None else True
+        return all([self.writer.flush(), self.stats.flush(), costs])
 
     def sync_round(self) -> None:
         """Without threads: write what is queued, learn from all of it, refresh the controls."""

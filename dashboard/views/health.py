@@ -1,17 +1,25 @@
 """Health: ingest volume, dropped and dead-lettered events, drift, last learner update, database size,
-each replica's background services."""
+each replica's background services and what its engine steps cost."""
 from __future__ import annotations
 
 from datetime import timedelta
 
+import altair as alt
 import pandas as pd
 import streamlit as st
 
+from dashboard.charts import segments, tooltip
 from dashboard.common import (admin_sidebar, data_as_of, engine_or_stop, fmt, fmt_age, fmt_bytes, fmt_ts,
                               read_session, stop_if_empty)
 from storage import dashboard_queries as q
 
 STATE_MARK = {"ok": "ok", "stale": "STALE", "down": "DOWN", "shut down": "shut down"}
+# The parts of a step drawn and tabled, in storage.step_costs.STEP_PARTS order, each with one colour.
+STEP_PART_NAMES = {"target": "Target", "hvd": "HVD", "drafter": "Drafter", "rest": "Rest"}
+STEP_PART_COLORS = ("#4e79a7", "#e15759", "#f28e2b", "#bab0ac")
+STEP_COLUMNS = {"minute": "Minute (UTC)", "steps": "Steps", "batch_mean": "Batch mean",
+                **{f"{p}_p50_ms": f"{name} p50 (ms)" for p, name in STEP_PART_NAMES.items()},
+                "hvd_share_pct": "HVD share (%)"}
 
 st.title("Health")
 admin_sidebar()
@@ -20,6 +28,7 @@ with read_session(engine) as s:
     stop_if_empty(s)
     h = q.health(s)
     drifts = q.drift_events(s)
+    costs = q.step_costs(s, now=h["now"])
 data_as_of()
 now = h["now"]
 
@@ -130,6 +139,41 @@ if h["replicas"]:
                "success; the replica keeps serving and catches up when the database answers.")
 else:
     st.info("No replica has reported yet: heartbeats arrive with the first written events.")
+st.subheader("Engine step costs")
+if costs is None:
+    st.caption("This database has no `step_cost_minutes` table yet: run `hvd migrate`.")
+elif not costs["minutes"]:
+    newest = costs["newest"]
+    st.caption("No engine step costs in the last hour"
+               + ("" if newest is None else f" (the newest stored minute began {newest:%Y-%m-%d %H:%M} UTC)")
+               + ": an engine that times its steps (the vLLM plugin) writes one row per replica and minute; "
+               "the replay engine does not.")
+else:
+    steps = pd.DataFrame(costs["minutes"])
+    steps["minute"] = pd.to_datetime(steps["minute"], utc=True)
+    for replica, rows in steps.groupby("replica", sort=True):
+        st.markdown(f"**Replica {replica}**")
+        long = rows.melt(id_vars=["minute"], value_vars=[f"{p}_p50_ms" for p in STEP_PART_NAMES], var_name="part",
+                         value_name="p50_ms")
+        long["part"] = long["part"].str.removesuffix("_p50_ms").map(STEP_PART_NAMES)
+        long = segments(long, "minute", timedelta(minutes=1), by="part")
+        st.altair_chart(alt.Chart(long).mark_line(point=True).encode(
+            x=alt.X("minute:T", title="Minute (UTC)"),
+            y=alt.Y("p50_ms:Q", title="Median per step (ms)"),
+            color=alt.Color("part:N", title="Part", scale=alt.Scale(domain=list(STEP_PART_NAMES.values()),
+                                                                     range=list(STEP_PART_COLORS))),
+            detail="segment:N",
+            tooltip=[tooltip("minute:T", "Minute (UTC)"), tooltip("part:N", "Part"),
+                     tooltip("p50_ms:Q", "Median (ms)", ".2f")]), width="stretch")
+        last = rows.sort_values("minute", ascending=False).head(10)[list(STEP_COLUMNS)].round(
+            {"batch_mean": 2, **{f"{p}_p50_ms": 2 for p in STEP_PART_NAMES}, "hvd_share_pct": 1})
+        st.dataframe(last.rename(columns=STEP_COLUMNS), hide_index=True, width="stretch",
+                     column_config={"Minute (UTC)": st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm")})
+    st.caption("Each minute's median per step of each part: the target model's forward and sampling, HVD's own "
+               "runtime, the model drafter (EAGLE3; 0 in steps that did not run it) and the rest of the step. "
+               "HVD share: HVD's summed time over the steps' summed time in that minute. Good: HVD a few percent "
+               "of the step and flat; a rising HVD share means its overhead eats the tokens speculation buys. "
+               "Idle minutes are gaps.")
 st.subheader("Drift events (newest first)")
 if drifts:
     for d in drifts[:20]:

@@ -1,0 +1,142 @@
+"""Folds the engine's step timings into per-minute summaries in memory and adds them to
+`step_cost_minutes`, off the decode path.
+
+`add(timing)` is all the engine calls: it takes a lock held only while the timing is counted in
+the open minute (controller.core.step_costs.MinuteAggregator; O(1)) and never touches SQL. Closed
+minutes wait in a bounded map (at most `max_pending_minutes`; beyond that the oldest are dropped
+and counted in `dropped_minutes`); every `flush_interval` seconds a round closes the open minute
+if its time is up (an idle engine sends no later step to close it) and writes every closed minute
+with one additive upsert (storage.step_costs.record_minutes). If the database refuses, the minutes
+are kept and retried with exponential backoff. `stop()` closes the open minute too and writes it.
+The table is pruned to its newest `keep_minutes` rows every `prune_every` successful writes.
+
+Like the statistics writer (and unlike the event writer, which keeps receipts), a write whose commit
+went through but whose answer was lost with the connection is retried and so counted twice: rare,
+and step costs are read as trends, not accounts.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
+
+from controller.core.step_costs import MAX_SAMPLES, MinuteAggregator, MinuteSummary, StepTiming, merge_summaries
+from controller.services.lifecycle import BackgroundService
+from storage.engine import session_scope
+from storage.step_costs import KEEP_STEP_COST_MINUTES, prune_step_cost_minutes, record_minutes
+
+CLOSE_GRACE_S = 5.0  # a round closes the open minute this long after it ended: later steps of it are rare
+
+
+class StepCostWriter(BackgroundService):
+    name = "hvd-step-costs"
+
+    def __init__(self, engine: Engine, replica: str, flush_interval: float = 10.0, max_pending_minutes: int = 1440,
+                 max_backoff: float = 30.0, max_samples: int = MAX_SAMPLES, keep_minutes: int | None =
+                 KEEP_STEP_COST_MINUTES, prune_every: int = 30, close_grace: float = CLOSE_GRACE_S,
+                 clock: Callable[[], float] = time.time) -> None:
+        if max_pending_minutes < 1:
+            raise ValueError(f"max_pending_minutes must be >= 1, got {max_pending_minutes}")
+        super().__init__(flush_interval, max_backoff)
+        self.engine = engine  # swappable (e.g. after a failover)
+        self.replica = replica
+        self.max_pending_minutes = max_pending_minutes
+        self.keep_minutes = keep_minutes
+        self.prune_every = max(1, prune_every)
+        self.close_grace = close_grace
+        self.clock = clock
+        self.steps = 0  # timings added
+        self.dropped_minutes = 0
+        self.written_minutes = 0  # rows written (a minute written in two pieces counts twice)
+        self._aggregator = MinuteAggregator(max_samples)
+        self._pending: dict[int, MinuteSummary] = {}  # closed minutes by start; insertion order: oldest first
+        self._lock = threading.Lock()  # guards _aggregator, _pending and the counters above
+        self._unpruned = 0
+
+    # --- the engine (any thread) -------------------------------------------------------------------
+
+    def add(self, timing: StepTiming) -> None:
+        """Count one step; never waits for the database."""
+        with self._lock:
+            self.steps += 1
+            closed = self._aggregator.add(timing)
+            if closed:
+                self._keep(closed)
+
+    def pending_minutes(self) -> int:
+        """Closed minutes not yet written (the open one not counted)."""
+        with self._lock:
+            return len(self._pending)
+
+    def _keep(self, summaries: list[MinuteSummary]) -> None:
+        for s in summaries:
+            old = self._pending.get(s.minute)
+            self._pending[s.minute] = s if old is None else merge_summaries(old, s)
+        excess = len(self._pending) - self.max_pending_minutes
+        if excess > 0:
+            for minute in list(self._pending)[:excess]:
+                del self._pending[minute]
+            self.dropped_minutes += excess
+
+    # --- writing -----------------------------------------------------------------------------------
+
+    def flush(self) -> bool:
+        """Write every closed minute now; False (minutes kept) if the database refused."""
+        with self._round_lock:
+            with self._lock:
+                batch, self._pending = self._pending, {}
+            if not batch:
+                return True
+            try:
+                with session_scope(self.engine) as session:
+                    self.written_minutes += record_minutes(session, self.replica, batch.values())
+            except SQLAlchemyError as exc:
+                with self._lock:
+                    pending, self._pending = self._pending, batch  # the failed batch is older: first
+                    self._keep(list(pending.values()))
+                    self.failed(exc)
+                return False
+            self.succeeded()
+            self._unpruned += 1
+            if self.keep_minutes is not None and self._unpruned >= self.prune_every:
+                self.prune()
+            return True
+
+    def prune(self) -> int:
+        """Apply the retention limit; 0 if disabled or the database refused (tried again later)."""
+        if self.keep_minutes is None:
+            return 0
+        self._unpruned = 0
+        try:
+            with session_scope(self.engine) as session:
+                return prune_step_cost_minutes(session, self.keep_minutes)
+        except SQLAlchemyError as exc:
+            self.failed(exc)
+            return 0
+
+    def close_due(self) -> None:
+        """Close the open minute if it ended more than `close_grace` seconds ago."""
+        with self._lock:
+            closed = self._aggregator.close_before(self.clock() - self.close_grace)
+            if closed:
+                self._keep(closed)
+
+    def round(self) -> float:
+        self.close_due()
+        return self.interval if self.flush() else self.retry.failed()
+
+    def stop(self, timeout: float = 30.0, attempts: int = 3) -> bool:
+        """Stop the thread (if any), close the open minute and write everything, retried up to
+        `attempts` times. True if nothing is left pending."""
+        with self._lock:
+            self._keep(self._aggregator.drain())
+        if super().stop(timeout):
+            return True
+        for _ in range(attempts - 1):
+            time.sleep(min(self.interval, 0.5))
+            if self.flush():
+                return True
+        return False
