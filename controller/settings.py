@@ -65,6 +65,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "the longest EAGLE3 draft (the allocator picks k up to it per step; at most the method's K)"),
     Setting("HVD_COST_PROFILE", one_of("predictor.decision.profiles:cost_profiles"), "cpu-smollm2",
             "step-cost profile of the allocator and the goodput rule"),
+    Setting("HVD_LIVE_COST", parse_flag, True,
+            "price steps with this engine's own step times (a live fit; the cost profile is its prior)"),
     Setting("HVD_DRAFTER_PROFILE", one_of("predictor.decision.profiles:drafter_profiles"), "eagle3-smollm2",
             "model-drafter profile: the prior of its live per-workload survival curve"),
     Setting("HVD_MAX_RUNNING", positive_int, None, "back off speculation above this many running requests"),
@@ -110,6 +112,7 @@ class ServingSettings:
     fallback: str | None
     model_draft_len: int
     cost_profile: str
+    live_cost: bool
     drafter_profile: str
     max_running: int | None
     backoff: str

