@@ -35,7 +35,7 @@ from controller.core.events import DRAFTER_CACHE, DRAFTER_MODEL, EventQueue, Lab
 from controller.core.request_state import CacheDraftRecord, RequestState, VerifiedDraft
 from controller.core.snapshot import Controls, ServingSnapshot
 from predictor.decision.allocator import AUTO, FORCE_MODEL, FORCE_NONE, FULL_CACHE, NO_CACHE, allocate
-from predictor.decision.profiles import known_survival
+from predictor.decision.profiles import CostProfile, known_survival
 from predictor.drafting.cache_drafter import CacheDrafter, SuffixConfig
 from predictor.drafting.common_prefix import lcp
 from predictor.drafting.features import NUM_FEATURES, DraftContext, feature_matrix
@@ -204,6 +204,11 @@ class Runtime:
         self._snapshot = snap
         if (snap.version_id, dict(snap.workload_gates)) != (old.version_id, dict(old.workload_gates)):
             self._report_versions()
+
+    def set_cost(self, cost: CostProfile) -> None:
+        """Price the next steps with `cost` (the engine's live cost model). Called between steps
+        by the thread that runs them."""
+        self.decision = replace(self.decision, cost=cost)
 
     def set_controls(self, controls: Controls) -> None:
         """New learned corrections and overrides, used from the next step."""
@@ -451,7 +456,7 @@ class Runtime:
         if n < v.draft_len:
             self.stats.engine_cut += 1
             if v.tracked is not None and v.tracked in st.records:
-                st.records[v.tracked] = replace(st.records[v.tracked], verified_len=n)
+                st.records[v.tracked] = replace(st.records[v.tracked], verified_len=n or None)
         if n == 0:
             return
         accepted = max(0, min(emitted - 1, n))
