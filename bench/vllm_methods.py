@@ -112,10 +112,13 @@ def _free_port() -> int:
 
 def server_command(method: str, port: int, preload: bool, database_url: str) -> tuple[list[str], dict[str, str]]:
     """hvd: exactly what `hvd serve --engine vllm` execs; the others: vLLM's own server with the same
-    engine arguments and the method's speculative_config, no HVD plugin."""
+    engine arguments and the method's speculative_config, no HVD plugin. Every server runs bf16 with
+    the in-process engines' arguments (vllm_engine.measured_server_args, passed as `hvd serve ... --
+    ARGS` would), which `hvd serve` no longer imposes: the figures stay comparable across releases."""
     from controller.cli.serve_vllm import ServeOptions, command, server_argv
 
-    opts = ServeOptions(database_url=database_url, port=port, preload=preload)
+    opts = ServeOptions(database_url=database_url, port=port, preload=preload, dtype="bfloat16",
+                        vllm_args=tuple(ve.measured_server_args()))
     if method == "hvd":
         return command(opts)
     if method not in ve.METHODS or method in ve.HYBRIDS:

@@ -176,8 +176,9 @@ def test_committed_head_maps_draft_ids_to_increasing_target_ids():
     assert bool((targets[1:] > targets[:-1]).all())
 
 
-def test_serve_command_preloads_unless_switched_off(monkeypatch):
+def test_serve_command_preloads_unless_switched_off(monkeypatch, tmp_path):
     monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))  # not the emptied folder of a real port-8000 server
     argv, env = serve_vllm.command(serve_vllm.ServeOptions("sqlite:///x.db"))
     assert "libtcmalloc" in env["LD_PRELOAD"] and "libiomp5.so" in env["LD_PRELOAD"]
     assert argv[argv.index("--speculative-config") + 1].startswith('{"method": "eagle3"')
@@ -191,9 +192,16 @@ def test_baseline_server_is_the_same_server_without_the_plugin(monkeypatch):
     hvd_argv, hvd_env = vllm_methods.server_command("hvd", 8123, False, "sqlite:///x.db")
     assert "--speculative-config" not in argv and "HVD_HYBRID" not in env
     assert hvd_env["HVD_HYBRID"] == "1"
-    assert hvd_argv[: hvd_argv.index("--speculative-config")] == argv
+    spec = hvd_argv.index("--speculative-config")
+    assert hvd_argv[:spec] + hvd_argv[spec + 2:] == argv
+    # the flags every server of the benchmark ran with before `hvd serve` kept vLLM's defaults, passed
+    # after `--` now (bf16, no prefix caching, eager, 8 sequences, 4096 tokens): its figures stay comparable
+    assert argv[3:] == ["--host", "127.0.0.1", "--port", "8123", "--served-model-name", "smollm2",
+                        "--model", str(ve.MODEL_BF16), "--dtype", "bfloat16", "--max-model-len", "4096",
+                        "--max-num-seqs", "8", "--max-num-batched-tokens", "4096", "--enforce-eager",
+                        "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5"]
     suffix, _ = vllm_methods.server_command("suffix", 8123, False, "sqlite:///x.db")
-    assert suffix[-1] == '{"method": "suffix", "num_speculative_tokens": 16}'
+    assert suffix[suffix.index("--speculative-config") + 1] == '{"method": "suffix", "num_speculative_tokens": 16}'
     with pytest.raises(ValueError, match="baselines"):
         vllm_methods.server_command("hvd-binary", 8123, False, "sqlite:///x.db")
 

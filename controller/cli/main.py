@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from controller.cli import learn as learn_defaults
 from controller.cli import overrides as cli_overrides
 from controller.cli.replay_options import ReplayServeOptions
 from controller.cli.serve_vllm import ServeOptions
@@ -136,14 +137,24 @@ def _parser() -> _Parser:
                                     "the fallback (the EAGLE3 head, RANDOM weights until it is trained, or plain "
                                     "decoding). Put tenant and workload in the request body: "
                                     '"vllm_xargs": {"hvd_tenant": "acme", "hvd_workload": "agentic"}. '
-                                    "Needs a champion predictor (hvd warmstart).")
+                                    "Needs a champion predictor (hvd warmstart).",
+                        epilog="With --engine vllm, everything after `--` goes to vLLM's server verbatim, after "
+                               "HVD's own arguments, e.g. `hvd serve --engine vllm -- --max-num-seqs 16`. HVD sets "
+                               "only --model, --served-model-name, --host, --port and --speculative-config (refused "
+                               "after `--`: use this command's options) and, as defaults that a value after `--` "
+                               "replaces, --dtype and --enforce-eager; the rest is vLLM's default (prefix caching "
+                               "on).")
     sv.add_argument("--engine", choices=["vllm", "replay"], required=True,
                     help="vllm: the real model; replay: the bundled (or --traces) traces as the target model")
     sv.add_argument("--host", default=ServeOptions.host)
     sv.add_argument("--port", type=int, default=ServeOptions.port)
     sv.add_argument("--fallback", choices=FALLBACKS, default=ServeOptions.fallback,
                     help="what a step does when the cache draft is not verified (default: the EAGLE3 head)")
-    sv.add_argument("--dtype", choices=["bfloat16", "float32"], default=ServeOptions.dtype)
+    sv.add_argument("--dtype", choices=["bfloat16", "float32"], default=ServeOptions.dtype,
+                    help="--engine vllm: the model's dtype (default: bfloat16 on a CPU with bf16 arithmetic, "
+                         "avx512_bf16 or amx_bf16 in /proc/cpuinfo; float32 elsewhere, where bf16 is emulated)")
+    sv.add_argument("--served-model-name", default=ServeOptions.served_model_name,
+                    help=f"--engine vllm: the model name requests use (default {ServeOptions.served_model_name})")
     sv.add_argument("--no-preload", action="store_true",
                     help="start vLLM without tcmalloc and Intel OpenMP in LD_PRELOAD (vLLM's CPU guide preloads both)")
     sv.add_argument("--max-running", type=int, help="back off from speculation above this many running requests")
@@ -213,6 +224,21 @@ def _parser() -> _Parser:
                         description="One line per predictor version: id, parent, creation time, metrics, reason; "
                                     "* marks the champion. --log adds every move of the champion alias and the learner's checks.")
     vs.add_argument("--log", action="store_true", help="also print the champion alias's history and the learner's checks")
+    ln = sub.add_parser("learn", help="run the online learner as its own process (one per deployment, leader-locked)",
+                        description="The online learner beside the servers, on the same database: it learns from "
+                                    "the events every replica stores, promotes, rolls back and keeps tau per workload. "
+                                    "Leader-locked as the replicas' learners are: of several `hvd learn` processes "
+                                    "one learns, the others wait as standbys. A leader starts at the end of the "
+                                    "stored events; it prints a line when it leads or stands by and per round, "
+                                    "promotion, rollback and drift, and stops cleanly on Ctrl-C or SIGTERM. It "
+                                    "decides with the HVD_* settings, as the vLLM plugin does: give it the servers'.")
+    ln.add_argument("--once", action="store_true",
+                    help="learn from the stored events after the last leading learner's cursor (else from the "
+                         "first) until caught up, then exit; standby (another learner holds the lock): say so and "
+                         "exit 0. For tests and cron")
+    ln.add_argument("--interval", type=float, default=None, metavar="SECONDS",
+                    help=f"seconds between rounds once caught up, and between a standby's tries for the lock "
+                         f"(default {learn_defaults.DEFAULT_INTERVAL:g}; not with --once)")
     sub.add_parser("migrate", help="bring the database schema up to date (every command does this itself)")
     cli_overrides.add_parser(sub)
     return p
@@ -225,8 +251,23 @@ def option_defaults() -> dict[str, dict[str, object]]:
             for name, sp in _parser().subcommands.items()}
 
 
+def split_vllm_args(argv: list[str]) -> tuple[list[str], tuple[str, ...] | None]:
+    """`hvd`'s own arguments, and those after the first `--` (None without one): vLLM's, for
+    `hvd serve --engine vllm`. Split before parsing, so that no vLLM option is taken for an
+    abbreviation of one of `hvd`'s (argparse would read `--seed` as the replay engine's)."""
+    if "--" not in argv:
+        return argv, None
+    cut = argv.index("--")
+    return argv[:cut], tuple(argv[cut + 1:])
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    own, vllm_args = split_vllm_args(sys.argv[1:] if argv is None else list(argv))
+    parser = _parser()
+    args = parser.parse_args(own)
+    if vllm_args is not None and not (args.command == "serve" and args.engine == "vllm"):
+        parser.error("the arguments after `--` go to vLLM's server: only `hvd serve --engine vllm` takes them")
+    args.vllm_args = vllm_args or ()
     from sqlalchemy.exc import SQLAlchemyError
 
     from storage.engine import make_engine, masked_url
@@ -335,6 +376,15 @@ def _versions(args: argparse.Namespace, engine) -> int:
     return 0
 
 
+def _learn(args: argparse.Namespace, engine) -> int:
+    from controller.cli.learn import DEFAULT_INTERVAL, LearnOptions, run_learn
+
+    if args.once and args.interval is not None:
+        raise ValueError("--interval paces the long-running learner; --once exits when caught up")
+    return run_learn(engine, LearnOptions(once=args.once,
+                                          interval=DEFAULT_INTERVAL if args.interval is None else args.interval))
+
+
 def _migrate(args: argparse.Namespace, engine) -> int:
     from storage.migrate import current_revision
 
@@ -345,6 +395,10 @@ def _migrate(args: argparse.Namespace, engine) -> int:
 def _serve(args: argparse.Namespace, engine) -> int:
     from predictor.gate.registry import load_gate
 
+    if args.engine == "vllm":
+        from controller.cli.serve_vllm import parse_vllm_args
+
+        parse_vllm_args(args.vllm_args)  # what HVD sets itself is refused before the champion is read
     load_gate(engine)  # refuse to start without a usable champion
     if args.engine == "replay":
         return _serve_replay(args, engine)
@@ -357,7 +411,8 @@ def _serve(args: argparse.Namespace, engine) -> int:
                          f"hvd_* metrics are on vLLM's own http://{args.host}:{args.port}/metrics")
     exec_server(ServeOptions(database_url=engine.url.render_as_string(hide_password=False), host=args.host,
                              port=args.port, fallback=args.fallback, dtype=args.dtype,
-                             max_running=args.max_running, backoff=args.backoff, preload=not args.no_preload))
+                             max_running=args.max_running, backoff=args.backoff, preload=not args.no_preload,
+                             served_model_name=args.served_model_name, vllm_args=args.vllm_args))
     return 0
 
 
@@ -523,7 +578,7 @@ def _rollback(args: argparse.Namespace, engine) -> int:
 
 
 _COMMANDS = {"warmstart": _warmstart, "eval": _eval, "serve": _serve, "versions": _versions, "migrate": _migrate,
-             "override": cli_overrides.run, "rollback": _rollback, "scenario": _scenario}
+             "override": cli_overrides.run, "rollback": _rollback, "scenario": _scenario, "learn": _learn}
 
 if __name__ == "__main__":
     sys.exit(main())

