@@ -81,7 +81,11 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("HVD_DEFAULT_WORKLOAD", one_of("storage.workloads:WORKLOADS"), "chat",
             "workload of requests that name none"),
     Setting("HVD_DEFAULT_TENANT", text, "default", "tenant of requests that name none"),
-    Setting("HVD_LEARN", parse_flag, True, "the replica holding the learner lock learns online"),
+    Setting("HVD_LEARN", parse_flag, False,
+            "a vLLM replica also runs the online learner in its own process (off: `hvd learn` learns, beside the servers)"),
+    Setting("HVD_RECORD", text, None,
+            "record every finished request as a trace line (prompt, output, workload, tenant) in this .jsonl file"),
+    Setting("HVD_RECORD_MAX_REQUESTS", positive_int, 10000, "requests HVD_RECORD records per serving process"),
     Setting("HVD_METRICS_MAX_TENANTS", positive_int, 20,
             "tenants the hvd_* Prometheus metrics name (the first seen); later ones are counted as \"other\""),
     Setting("HVD_TOKENIZER", text, None, "tokenizer.json (or its folder) of the trace tokenizer"),
@@ -122,6 +126,8 @@ class ServingSettings:
     default_workload: str
     default_tenant: str
     learn: bool
+    record: str | None
+    record_max_requests: int
     metrics_max_tenants: int
 
     @classmethod

@@ -21,18 +21,19 @@ def test_defaults():
     assert s == ServingSettings(
         database_url=None, fallback=None, model_draft_len=3, cost_profile="cpu-smollm2", live_cost=True,
         drafter_profile="eagle3-smollm2", max_running=None, backoff="none", fixed_tau=None, rule="allocator",
-        eagle_warm=False, default_workload="chat", default_tenant="default", learn=True,
+        eagle_warm=False, default_workload="chat", default_tenant="default", learn=False, record=None,
+        record_max_requests=10000,
         metrics_max_tenants=20)
 
 
 def test_values_are_parsed():
     env = {"HVD_MODEL_DRAFT_LEN": "5", "HVD_MAX_RUNNING": "4", "HVD_BACKOFF": "cache_only", "HVD_FIXED_TAU": "2.5",
-           "HVD_RULE": "arctic", "HVD_EAGLE_WARM": "on", "HVD_LEARN": "0", "HVD_FALLBACK": "none",
+           "HVD_RULE": "arctic", "HVD_EAGLE_WARM": "on", "HVD_LEARN": "1", "HVD_FALLBACK": "none",
            "HVD_DEFAULT_WORKLOAD": "sql", "HVD_DATABASE_URL": "", "HVD_COST_PROFILE": "gpu-8b"}
     s = ServingSettings.from_env(env)
     assert (s.model_draft_len, s.max_running, s.backoff, s.fixed_tau, s.rule, s.eagle_warm, s.learn, s.fallback,
             s.default_workload, s.database_url, s.cost_profile) == \
-        (5, 4, "cache_only", 2.5, "arctic", True, False, "none", "sql", None, "gpu-8b")
+        (5, 4, "cache_only", 2.5, "arctic", True, True, "none", "sql", None, "gpu-8b")
 
 
 @pytest.mark.parametrize("name, raw, allowed", [

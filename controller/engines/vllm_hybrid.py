@@ -19,6 +19,8 @@ import socket
 import time
 from pathlib import Path
 
+import numpy as np
+
 from controller.core.decision import CACHE, MODEL
 from controller.core.metrics import HvdMetrics
 from controller.core.request_metadata import RequestMetadata, RequestMetadataError, parse_request_metadata
@@ -26,6 +28,7 @@ from controller.core.runtime import RequestInput
 from controller.core.step_costs import StepTimingError
 from controller.engines.vllm_step_clock import StepClock
 from controller.services.stack import ServiceStack, decision_config
+from controller.services.trace_recorder import ServedRequest, TraceRecorder
 from controller.settings import ServingSettings, SettingsError
 from predictor.data.tokens import TraceTokenizer
 from predictor.decision.live_cost import LiveCostError, LiveCostModel, StepSample
@@ -118,6 +121,11 @@ class HybridState:
         # The allocator prices steps with what this engine's steps cost (the named profile until
         # the fit has enough decode steps); HVD_LIVE_COST=0 keeps the named profile.
         self.live_cost = LiveCostModel(decision.cost) if settings.live_cost else None
+        self.recorder = None
+        if settings.record:
+            self.recorder = TraceRecorder(settings.record, tokenizer, replica=self.stack.writer.replica,
+                                          model=str(runner.model_config.served_model_name or runner.model_config.model),
+                                          max_requests=settings.record_max_requests).start()
         log.info("HVD hybrid drafter on: predictor v%s, rule %s, fallback %s, K_MAX %d", self.runtime.version_id,
                  self.runtime.rule, fallback, self.k_max)
 
@@ -161,6 +169,12 @@ class HybridState:
             inputs.append(RequestInput(req_id, valid[i], prompt, tenant=meta.tenant, workload=meta.workload,
                                        speculate=meta.speculate, verified=_verified(scheduled.get(req_id))))
             rows.append(i)
+        if self.recorder is not None:
+            for r in finished:
+                h = self.runtime.requests[r].hindsight
+                st = self.runtime.requests[r]
+                self.recorder.add(ServedRequest(r, st.tenant, st.workload, h.tokens[: h.prompt_len].copy(),
+                                                np.asarray(h.out, dtype=np.int32)))
         plan = self.runtime.step(inputs, finished)
         return plan, rows, req_ids
 

@@ -186,7 +186,7 @@ def runtimes() -> list["Runtime"]:
 
 def flush() -> bool:
     """Write every queued event and statistic to SQL now (tests; at exit the stacks stop and drain)."""
-    return all([s.stack.flush() for s in _STATES])
+    return all([s.stack.flush() and (s.recorder is None or s.recorder.flush()) for s in _STATES])
 
 
 def _state(runner) -> "HybridState | None":
@@ -208,6 +208,8 @@ def _state(runner) -> "HybridState | None":
 @atexit.register
 def _drain_at_exit() -> None:
     for s in _STATES:
+        if s.recorder is not None:
+            s.recorder.stop(5.0)
         s.stack.shutdown(10.0)  # stop admitting, drain, log and store the tally (lost events: a warning)
     if _STATES:
         from controller.core.metrics import mark_process_dead

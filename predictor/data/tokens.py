@@ -56,6 +56,11 @@ class TraceTokenizer:
     def encode_output(self, text: str) -> np.ndarray:
         return self._encode(text)
 
+    def decode(self, ids) -> str:
+        """Token ids back to text, special tokens kept (a recorded prompt keeps its ChatML markup,
+        so encoding it again gives the same ids wherever the tokenizer round-trips)."""
+        return self._tok.decode([int(t) for t in ids], skip_special_tokens=False)
+
     def encode_context(self, record: TraceRecord) -> np.ndarray:
         """Prompt tokens; chat messages are cached one by one because agent histories repeat."""
         if isinstance(record.context, str):

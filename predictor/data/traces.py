@@ -29,7 +29,8 @@ from storage.workloads import WORKLOADS
 
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 SUFFIXES: tuple[str, ...] = (".jsonl", ".jsonl.gz", ".jsonl.xz")
-FIELDS: tuple[str, ...] = ("trace_id", "session_id", "turn", "source", "workload", "model", "run", "context", "output")
+FIELDS: tuple[str, ...] = ("trace_id", "session_id", "turn", "source", "workload", "model", "run", "context", "output",
+                           "tenant")
 # The bundled traces' longest line is 0.3 MiB; a record several times that is a log gone wrong more
 # often than a real prompt, and replaying it is super-linear in its length (20 MB: > 240 s, 4.4 GB).
 DEFAULT_MAX_RECORD_BYTES = 1 << 20
@@ -53,6 +54,7 @@ class TraceRecord:
     run: str
     context: tuple[Message, ...] | str
     output: str
+    tenant: str = "default"  # who was served (recorded traffic says; replay may serve each tenant's overrides)
 
 
 class TraceFormatError(ValueError):
@@ -180,7 +182,8 @@ def parse_record(
 
     Optional fields default so that a bare {workload, context, output} log is usable:
     trace_id -> `default_trace_id` (else `where`), session_id -> trace_id (one turn per
-    session), turn -> 0, model -> "unknown", run -> model, source -> `default_source`.
+    session), turn -> 0, model -> "unknown", run -> model, source -> `default_source`, tenant ->
+    "default".
     """
     if not isinstance(obj, dict):
         raise TraceFormatError(f"{where}: record must be a JSON object, got {type(obj).__name__}")
@@ -199,6 +202,7 @@ def parse_record(
         run=_text(obj, "run", where, model),
         context=_context(obj, where),
         output=_text(obj, "output", where, None),
+        tenant=_text(obj, "tenant", where, "default"),
     )
 
 
