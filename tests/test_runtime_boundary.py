@@ -100,3 +100,29 @@ def test_a_version_swapped_mid_step_is_not_credited_with_the_steps_events(tokeni
     runtime.step([RequestInput("a", [101, 7])])  # 1 accepted, then off the draft: labelled
     events = drain(runtime.events)
     assert events and {e.predictor_version_id for e in events if e.position <= 1} == {7}
+
+
+def test_tokens_the_scheduler_cut_are_not_output_but_their_acceptance_counts(tokenizer):
+    """vLLM's runner samples accepted draft tokens past max_tokens (or a stop token); its scheduler
+    cuts them from the output but counts them accepted. HVD learns the output from what was kept
+    and the acceptance from what was sampled, as vLLM's counters do."""
+    runtime = Runtime(survival_gate(SURVIVAL_K), token_classes(tokenizer), DecisionConfig(cost=GPU))
+    runtime.step([RequestInput("a", [100], PROMPT, workload="agentic")])
+    runtime.step([RequestInput("a", [101, 102], verified=12, sampled=5)])  # 4 accepted + bonus; 2 kept
+    assert runtime.requests["a"].hindsight.output_len == 3
+    assert (runtime.stats.verified_tokens, runtime.stats.verified_accepted, runtime.stats.accepted_not_output) == (12, 4, 2)
+
+
+def test_what_vllm_keeps_of_a_step():
+    from types import SimpleNamespace
+
+    from controller.engines.vllm_hybrid import _kept
+
+    def params(max_tokens=None, stops=(), min_tokens=0):
+        return SimpleNamespace(max_tokens=max_tokens, all_stop_token_ids=set(stops), min_tokens=min_tokens)
+
+    assert _kept(params(max_tokens=10), [1, 2, 3, 4], 8) == [1, 2]
+    assert _kept(params(max_tokens=10), [1, 2], 3) == [1, 2]
+    assert _kept(params(stops={2}), [1, 2, 3], 0) == [1, 2]
+    assert _kept(params(stops={2}, min_tokens=5), [1, 2, 3, 2, 4], 2) == [1, 2, 3, 2]  # 2 at output 2 < min 5
+    assert _kept(None, [1, 2], 0) == [1, 2]

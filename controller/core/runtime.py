@@ -72,6 +72,10 @@ class RequestInput:
     # (vLLM's scheduled spec tokens): fewer than planned when its scheduler cut the draft to fit
     # the token budget, 0 when the request was preempted before verifying. None: what was planned.
     verified: int | None = None
+    # Tokens the engine sampled for it in that step, when the scheduler kept fewer (`new_tokens`: it
+    # cut the rest at max_tokens or a stop token): what was accepted counts from this. None: as many
+    # as `new_tokens`.
+    sampled: int | None = None
 
 
 @dataclass
@@ -105,6 +109,9 @@ class RuntimeStats:
     accepted_count: dict[int, int] = field(default_factory=dict)  # verified drafts per number of tokens accepted
     truncated: int = 0  # cache drafts verified shorter than the cache made them
     engine_cut: int = 0  # planned drafts the engine verified shorter than planned (or not at all)
+    # accepted draft tokens the scheduler then cut from the output (past max_tokens or a stop token):
+    # counted accepted (as vLLM counts them), absent from the output and so from hindsight labels
+    accepted_not_output: int = 0
     model_k_steps: dict[int, int] = field(default_factory=dict)  # steps per model draft length
     mixed_steps: int = 0  # steps verifying cache and model drafts side by side
 
@@ -115,37 +122,43 @@ class RuntimeStats:
         self.accepted_count[accepted] = self.accepted_count.get(accepted, 0) + 1
 
 
-@dataclass(frozen=True)
+# The per-request values a step passes between its phases are plain lists where only Python reads
+# them (a step of a few requests would spend more on numpy calls than on the work), arrays where
+# numpy computes with them or the engine receives them (docs/design/runtime.md, "What a step costs").
+
+
+@dataclass(frozen=True, slots=True)
 class _Observed:
     """Observe: the step's requests after taking in their tokens, and the step's cache drafts."""
 
     states: list[RequestState]
     rows: "_StepDrafts"
-    main_row: np.ndarray  # the row of each request's draft at its current position (-1: none)
-    workload: np.ndarray  # each request's workload index
-    allowed: np.ndarray  # bool: the request may speculate this step
+    main_row: list[int]  # the row of each request's draft at its current position (-1: none)
+    workload: list[int]  # each request's workload index
+    allowed: list[bool]  # the request may speculate this step
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Scored:
     """Score: the gate's view of every draft of the step, and of each request's own."""
 
     x: np.ndarray  # the feature rows of every draft (shadow drafts included)
     row_pred: np.ndarray  # each draft's expected accepted length
-    lengths: np.ndarray  # per request: its cache draft's length (0: none)
-    predicted: np.ndarray  # per request: its cache draft's expected accepted length (NaN: none)
+    lengths: np.ndarray  # int64 per request: its cache draft's length (0: none)
+    predicted: np.ndarray  # float32 per request: its cache draft's expected accepted length (NaN: none)
     curves: np.ndarray | None  # per request: its cache draft's survival curve (the allocator only)
+    length_list: list[int]  # `lengths` as a list
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Planned:
     """Plan: what each request verifies."""
 
-    source: np.ndarray  # NONE, CACHE or MODEL per request
-    verify_len: np.ndarray  # tokens verified per request
+    source: np.ndarray  # int8 NONE, CACHE or MODEL per request
+    verify_len: list[int]  # tokens verified per request
     model_k: int
-    tau: np.ndarray  # the tau each request was held to
-    auto_tau: np.ndarray  # its automatic tau (what the events carry)
+    tau: np.ndarray  # float32: the tau each request was held to
+    auto_tau: list[float]  # its automatic tau (what the events carry)
 
 
 class Runtime:
@@ -279,91 +292,96 @@ class Runtime:
     def _observe_step(self, inputs: Sequence[RequestInput]) -> _Observed:
         """Every request takes in its tokens (labelling the drafts they decide) and, if it may
         speculate, drafts from the suffix cache at its current position."""
-        n = len(inputs)
-        speculating = self.decision.speculation_allowed(n)
+        speculating = self.decision.speculation_allowed(len(inputs))
+        shadow_drafts = self.shadow_drafts
         rows = _StepDrafts()
-        main_row = np.full(n, -1, dtype=np.int64)
-        workload = np.zeros(n, dtype=np.int64)
+        main_row: list[int] = []
         states = []
-        for i, inp in enumerate(inputs):
+        for inp in inputs:
             drafting = inp.speculate and speculating
-            st = self._observe(inp, rows, shadow=drafting and self.shadow_drafts)
+            st = self._observe(inp, rows, shadow=drafting and shadow_drafts)
             states.append(st)
-            workload[i] = st.hindsight.workload
-            if drafting:
-                main_row[i] = self._draft(st, rows)
-        allowed = np.array([st.speculate for st in states], dtype=bool) & speculating
-        return _Observed(states, rows, main_row, workload, allowed)
+            main_row.append(self._draft(st, rows) if drafting else -1)
+        allowed = [bool(st.speculate) and speculating for st in states]
+        return _Observed(states, rows, main_row, [st.hindsight.workload for st in states], allowed)
 
     def _score(self, snap: ServingSnapshot, ob: _Observed, inputs: Sequence[RequestInput]) -> _Scored:
         """The gate once over every draft of the step; each request's own draft's expected length
         (and curve, for the allocator), or its true one where a replay engine serves the upper bound."""
         n = len(ob.states)
-        has_row = ob.main_row >= 0
-        main = ob.main_row[has_row]
+        main_row, contexts = ob.main_row, ob.rows.contexts
+        has_row = [i for i, r in enumerate(main_row) if r >= 0]
+        main = [main_row[i] for i in has_row]
         allocating = snap.rule == "allocator"
         x, row_pred, row_curves = self._predict(snap, ob.rows, curves=allocating)
-        lengths = np.zeros(n, dtype=np.int64)
-        predicted = np.full(n, np.nan, dtype=np.float32)
-        lengths[has_row] = ob.rows.lengths()[main]
-        predicted[has_row] = row_pred[main]
-        known = _known_lengths(inputs, ob.rows, ob.main_row)  # None unless a replay engine serves a perfect predictor
+        length_list = [len(contexts[r].draft.token_ids) if r >= 0 else 0 for r in main_row]
+        lengths = np.array(length_list, dtype=np.int64)
+        pred = row_pred.tolist()  # float32 values (float64 with calibration): stored below as float32
+        predicted = np.array([pred[r] if r >= 0 else np.nan for r in main_row], dtype=np.float32)
+        known = _known_lengths(inputs, ob.rows, main_row)  # None unless a replay engine serves a perfect predictor
         if known is not None:
             predicted = np.where(np.isnan(known), predicted, known).astype(np.float32)
         curves = None
         if allocating:
-            curves = np.zeros((n, row_curves.shape[1]), dtype=np.float32)
-            curves[has_row] = row_curves[main]
+            if len(has_row) == n and row_curves.dtype == np.float32:
+                curves = row_curves[main]
+            else:
+                curves = np.zeros((n, row_curves.shape[1]), dtype=np.float32)
+                if has_row:
+                    curves[has_row] = row_curves[main]
             if known is not None:
                 sure = ~np.isnan(known)
                 curves[sure] = known_survival(known[sure], curves.shape[1])
-        return _Scored(x, row_pred, lengths, predicted, curves)
+        return _Scored(x, row_pred, lengths, predicted, curves, length_list)
 
     def _plan(self, snap: ServingSnapshot, ob: _Observed, sc: _Scored, now: float) -> _Planned:
         """The rule the snapshot serves with decides what each request verifies."""
         if snap.rule == "allocator":
-            return self._allocate(snap, ob.states, ob.workload, sc.curves, sc.predicted, sc.lengths, ob.allowed, now)
+            return self._allocate(snap, ob.states, ob.workload, sc, ob.allowed, now)
+        allowed = np.array(ob.allowed, dtype=bool)
         if snap.rule == "arctic":
-            source, tau = self._decide_arctic(ob.rows, ob.main_row, sc.lengths, ob.allowed)
+            source, tau = self._decide_arctic(ob.rows, np.array(ob.main_row, dtype=np.int64), sc.lengths, allowed)
         else:
-            source, tau = self._decide(snap, ob.states, sc.predicted, sc.lengths, ob.allowed, now)
+            source, tau = self._decide(snap, ob.states, sc.predicted, sc.lengths, allowed, now)
         k = self.decision.model_draft_len
         model_k = k if (source == MODEL).any() else 0
         verify_len = np.where(source == CACHE, sc.lengths, np.where(source == MODEL, k, 0))
-        return _Planned(source, verify_len, model_k, tau, tau)
+        return _Planned(source, verify_len.tolist(), model_k, tau, tau.tolist())
 
     def _commit(self, snap: ServingSnapshot, ob: _Observed, sc: _Scored, pl: _Planned, now: float) -> StepPlan:
         """Every draft of the step gets its record; what is verified is remembered until the engine
         reports it; decisions go to the counters; the plan goes back to the engine."""
         rows, states = ob.rows, ob.states
-        has_row = ob.main_row >= 0
-        is_cache = pl.source == CACHE
         source = pl.source.tolist()
-        cut = np.where(is_cache, pl.verify_len, 0).tolist()  # cache tokens verified per request
-        row_of, held = ob.main_row.tolist(), pl.auto_tau.tolist()
+        cut = [v if s == CACHE else 0 for s, v in zip(source, pl.verify_len)]  # cache tokens verified per request
+        row_of, held = ob.main_row, pl.auto_tau
         decision = ["shadow"] * len(rows)
         row_tau = [float("nan")] * len(rows)
         row_verified: list[int | None] = [None] * len(rows)
-        for i in np.flatnonzero(has_row).tolist():
-            decision[row_of[i]], row_tau[row_of[i]] = SOURCE_NAMES[source[i]], held[i]
-            if source[i] == CACHE:
-                row_verified[row_of[i]] = cut[i]
+        for i, r in enumerate(row_of):
+            if r >= 0:
+                decision[r], row_tau[r] = SOURCE_NAMES[source[i]], held[i]
+                if source[i] == CACHE:
+                    row_verified[r] = cut[i]
         self._record(snap, rows, sc.x, sc.row_pred, decision, row_tau, now, row_verified)
         stats = self.stats
+        decisions, owners, model_k = stats.decisions, rows.owners, pl.model_k
         for i, (st, src, c) in enumerate(zip(states, source, cut)):
-            stats.decisions[SOURCE_NAMES[src]] += 1
+            decisions[SOURCE_NAMES[src]] += 1
             if src == MODEL:
-                st.verifying = VerifiedDraft(st.hindsight.output_len, pl.model_k, True, snap.version_for(st.workload))
+                st.verifying = VerifiedDraft(st.hindsight.output_len, model_k, True, snap.version_for(st.workload))
             elif src == CACHE:
-                st.verifying = VerifiedDraft(st.hindsight.output_len, c, False, None, rows.owners[row_of[i]][1])
-        if pl.model_k:
-            stats.model_k_steps[pl.model_k] = stats.model_k_steps.get(pl.model_k, 0) + 1
-            if is_cache.any():
+                st.verifying = VerifiedDraft(st.hindsight.output_len, c, False, None, owners[row_of[i]][1])
+        if model_k:
+            stats.model_k_steps[model_k] = stats.model_k_steps.get(model_k, 0) + 1
+            if CACHE in source:
                 stats.mixed_steps += 1
-        stats.truncated += int(np.count_nonzero(is_cache & (pl.verify_len < sc.lengths)))
+        stats.truncated += sum(1 for src, v, length in zip(source, pl.verify_len, sc.length_list)
+                               if src == CACHE and v < length)
         if self.metrics is not None:
-            self.metrics.step(states, source, pl.auto_tau.tolist())
-        cache_drafts = [rows.contexts[r].draft.token_ids if r >= 0 else [] for r in row_of]
+            self.metrics.step(states, source, list(held))
+        contexts = rows.contexts
+        cache_drafts = [contexts[r].draft.token_ids if r >= 0 else [] for r in row_of]
         drafts = [d[:c] if c else [] for d, c in zip(cache_drafts, cut)]
         self._report_emitted(snap, now)
         return StepPlan([st.req_id for st in states], pl.source, drafts, sc.predicted, pl.tau, sc.lengths,
@@ -430,7 +448,7 @@ class Runtime:
             tally[0] += len(new)
             tally[1] += 1
         if st.verifying is not None:
-            self._settle(st, st.verifying, inp.verified, len(new))
+            self._settle(st, st.verifying, inp.verified, len(new) if inp.sampled is None else inp.sampled, len(new))
             st.verifying = None
         chunks = [new[j : j + 1] for j in range(len(new))] if shadow and len(new) > 1 else [new]
         for j, chunk in enumerate(chunks):
@@ -446,7 +464,7 @@ class Runtime:
                 self._draft(st, rows)
         return st
 
-    def _settle(self, st: RequestState, v: VerifiedDraft, verified: int | None, emitted: int) -> None:
+    def _settle(self, st: RequestState, v: VerifiedDraft, verified: int | None, emitted: int, kept: int) -> None:
         """The engine's verdict on the draft planned for the request last time it ran: `verified`
         of its tokens were verified (None: all that were planned; fewer when the scheduler cut the
         draft to its token budget; 0 when the request was preempted first) and `emitted` - 1 of
@@ -461,6 +479,7 @@ class Runtime:
             return
         accepted = max(0, min(emitted - 1, n))
         self.stats.count_verified(n, accepted)
+        self.stats.accepted_not_output += max(0, accepted - kept)
         if v.model:
             self._emit_model(st, v, n, accepted)
 

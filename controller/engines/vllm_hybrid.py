@@ -165,9 +165,11 @@ class HybridState:
                 continue
             meta = self._metadata(runner, req_id)
             first = req_id not in known or req_id in ended
+            new = _kept(_sampling_params(runner, req_id), valid[i], 0 if first else known[req_id].hindsight.output_len)
             prompt = ib.token_ids_cpu[i, : int(ib.num_prompt_tokens[i])].copy() if first else None
-            inputs.append(RequestInput(req_id, valid[i], prompt, tenant=meta.tenant, workload=meta.workload,
-                                       speculate=meta.speculate, verified=_verified(scheduled.get(req_id))))
+            inputs.append(RequestInput(req_id, new, prompt, tenant=meta.tenant, workload=meta.workload,
+                                       speculate=meta.speculate, verified=_verified(scheduled.get(req_id)),
+                                       sampled=len(valid[i]) if len(new) != len(valid[i]) else None))
             rows.append(i)
         if self.recorder is not None:
             for r in finished:
@@ -250,7 +252,28 @@ def _verified(spec_tokens) -> int:
     return n
 
 
+def _kept(params, tokens: list[int], output_len: int) -> list[int]:
+    """What vLLM keeps of a step's tokens for a request that has emitted `output_len`: accepted
+    draft tokens past `max_tokens`, or past a stop token (once `min_tokens` are out), are sampled
+    by the runner but cut by the scheduler; HVD must not learn from tokens that were never output.
+    (Stop strings are cut later, by the detokenizer: not seen here.)"""
+    if params is None or not tokens:
+        return tokens
+    keep = len(tokens)
+    if params.max_tokens is not None:
+        keep = min(keep, max(0, params.max_tokens - output_len))
+    stops = params.all_stop_token_ids
+    if stops:
+        for j in range(keep):
+            if tokens[j] in stops and output_len + j + 1 >= params.min_tokens:
+                keep = j + 1
+                break
+    return tokens if keep == len(tokens) else tokens[:keep]
+
+
+def _sampling_params(runner, req_id: str):
+    return getattr(runner.requests.get(req_id), "sampling_params", None)
+
+
 def _extra_args(runner, req_id: str) -> object:
-    state = runner.requests.get(req_id)
-    params = getattr(state, "sampling_params", None)
-    return getattr(params, "extra_args", None)
+    return getattr(_sampling_params(runner, req_id), "extra_args", None)
