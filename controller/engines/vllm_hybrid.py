@@ -100,7 +100,7 @@ class HybridState:
         self.settings = settings
         self._meta: dict[str, RequestMetadata] = {}  # per running request, parsed when first seen
         # Every replica follows the control plane (overrides apply from the first step: one poll
-        # before serving); the one holding the learner lock also learns.
+        # before serving); it learns only with HVD_LEARN=1 (else `hvd learn`, its own process).
         # The hvd_* metrics go into the registry vLLM serves at /metrics (across processes: see
         # controller.core.metrics).
         metrics = HvdMetrics.shared(max_tenants=settings.metrics_max_tenants)
