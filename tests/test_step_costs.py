@@ -92,8 +92,7 @@ def test_a_minute_closes_when_a_step_of_the_next_arrives():
     assert agg.open_minute == T0
     closed = agg.add(timing(T0 + 60))  # the first step of the next minute closes this one
     assert [(s.minute, s.steps) for s in closed] == [(T0, 2)] and agg.open_minute == T0 + 60
-    assert agg.close_before(T0 + 119.9) == []  # not over yet
-    assert [(s.minute, s.steps) for s in agg.close_before(T0 + 120)] == [(T0 + 60, 1)]
+    assert [(s.minute, s.steps) for s in agg.drain()] == [(T0 + 60, 1)]
     assert agg.open_minute is None and agg.drain() == []
     assert minute_of(T0 - 0.001) == T0 - 60 and minute_of(T0) == T0
 
@@ -279,19 +278,18 @@ def test_the_writer_adds_its_minutes_to_stored_ones_and_drains_at_stop(db: Engin
 
 def test_the_writer_keeps_minutes_while_the_table_is_gone_and_writes_them_after(db: Engine):
     downgrade(db, "0011")  # the table is gone: every write fails
-    writer = StepCostWriter(db, "r1", flush_interval=0.5, max_backoff=2.0, max_pending_minutes=2, keep_minutes=None,
-                            clock=lambda: T0 + 241.0)  # inside minute 4: rounds close nothing by the clock
+    writer = StepCostWriter(db, "r1", flush_interval=0.5, max_backoff=2.0, max_pending_minutes=2, keep_minutes=None)
     for minute in range(4):
         writer.add(timing(T0 + 60 * minute + 1, hvd=0.001 * (minute + 1)))
     assert writer.pending_minutes() == 3 - 1 and writer.dropped_minutes == 1  # minute 0 dropped: the bound is 2
     assert [writer.round() for _ in range(4)] == [0.5, 1.0, 2.0, 2.0]  # retried with back-off
     assert writer.failures == 4 and writer.failing == 4 and "step_cost_minutes" in writer.last_error
-    writer.add(timing(T0 + 60 * 4 + 1))  # closes minute 3: minute 1 now goes
-    assert writer.pending_minutes() == 2 and writer.dropped_minutes == 2
+    assert writer.pending_minutes() == 2 and writer.dropped_minutes == 2  # the open minute 3 joined: minute 1 went
     upgrade(db)  # the table is back
     assert writer.round() == 0.5 and writer.failing == 0 and writer.pending_minutes() == 0
     assert sorted(m for _, m in stored(db)) == [at(T0 + 120), at(T0 + 180)]
     assert stored(db)[("r1", at(T0 + 180))]["hvd.sum"] == pytest.approx(4.0)
+    writer.add(timing(T0 + 60 * 4 + 1))
     assert writer.stop() is True
     assert sorted(m for _, m in stored(db)) == [at(T0 + 120), at(T0 + 180), at(T0 + 240)]
 
@@ -315,16 +313,16 @@ def test_the_writer_keeps_minutes_while_the_database_is_unreachable(db: Engine, 
     down.dispose()
 
 
-def test_a_round_closes_an_idle_engines_minute_after_a_grace(db: Engine):
-    now = [T0 + 10.0]
-    writer = StepCostWriter(db, "r1", flush_interval=1.0, close_grace=5.0, clock=lambda: now[0])
+def test_every_round_writes_the_open_minute_so_far(db: Engine):
+    """vLLM kills its worker at shutdown without exit handlers: a round must not keep a minute's
+    steps back until the minute ends. The minute's later steps add to its row."""
+    writer = StepCostWriter(db, "r1", flush_interval=1.0)
     writer.add(timing(T0 + 10))
-    now[0] = T0 + 64.9  # the minute ended 4.9 s ago: a late step may still come
-    assert writer.round() == 1.0 and stored(db) == {}
-    now[0] = T0 + 65.0
-    assert writer.round() == 1.0 and list(stored(db)) == [("r1", at(T0))]
-    writer.add(timing(T0 + 30))  # a late step of it after all: added to the stored row
-    assert writer.stop() is True and stored(db)[("r1", at(T0))]["steps"] == 2
+    assert writer.round() == 1.0 and stored(db)[("r1", at(T0))]["steps"] == 1
+    writer.add(timing(T0 + 30))
+    assert writer.round() == 1.0 and stored(db)[("r1", at(T0))]["steps"] == 2
+    writer.add(timing(T0 + 40))
+    assert writer.stop() is True and stored(db)[("r1", at(T0))]["steps"] == 3
 
 
 def test_adding_never_waits_for_the_database(db: Engine, monkeypatch):

@@ -225,15 +225,9 @@ class MinuteAggregator:
         self._open.add(timing, self.max_samples, self._rng)
         return closed
 
-    def close_before(self, at: float) -> list[MinuteSummary]:
-        """Close the open minute if it ended by unix time `at` (an idle engine sends no later
-        timing to close it); returns it, if closed."""
-        if self._open is not None and self._open.minute + MINUTE_SECONDS <= at:
-            return self.drain()
-        return []
-
     def drain(self) -> list[MinuteSummary]:
-        """Close the open minute whatever the time (at shutdown)."""
+        """The open minute's steps so far, as a summary (storage adds the later pieces of the same
+        minute to it); the next step starts a new piece."""
         if self._open is None:
             return []
         out = [self._open.summary()]

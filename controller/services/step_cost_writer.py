@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
@@ -28,16 +27,13 @@ from controller.services.lifecycle import BackgroundService
 from storage.engine import session_scope
 from storage.step_costs import KEEP_STEP_COST_MINUTES, prune_step_cost_minutes, record_minutes
 
-CLOSE_GRACE_S = 5.0  # a round closes the open minute this long after it ended: later steps of it are rare
-
 
 class StepCostWriter(BackgroundService):
     name = "hvd-step-costs"
 
     def __init__(self, engine: Engine, replica: str, flush_interval: float = 10.0, max_pending_minutes: int = 1440,
                  max_backoff: float = 30.0, max_samples: int = MAX_SAMPLES, keep_minutes: int | None =
-                 KEEP_STEP_COST_MINUTES, prune_every: int = 30, close_grace: float = CLOSE_GRACE_S,
-                 clock: Callable[[], float] = time.time) -> None:
+                 KEEP_STEP_COST_MINUTES, prune_every: int = 30) -> None:
         if max_pending_minutes < 1:
             raise ValueError(f"max_pending_minutes must be >= 1, got {max_pending_minutes}")
         super().__init__(flush_interval, max_backoff)
@@ -46,8 +42,6 @@ class StepCostWriter(BackgroundService):
         self.max_pending_minutes = max_pending_minutes
         self.keep_minutes = keep_minutes
         self.prune_every = max(1, prune_every)
-        self.close_grace = close_grace
-        self.clock = clock
         self.steps = 0  # timings added
         self.dropped_minutes = 0
         self.written_minutes = 0  # rows written (a minute written in two pieces counts twice)
@@ -117,15 +111,12 @@ class StepCostWriter(BackgroundService):
             self.failed(exc)
             return 0
 
-    def close_due(self) -> None:
-        """Close the open minute if it ended more than `close_grace` seconds ago."""
-        with self._lock:
-            closed = self._aggregator.close_before(self.clock() - self.close_grace)
-            if closed:
-                self._keep(closed)
-
     def round(self) -> float:
-        self.close_due()
+        """Write what every round has, the open minute's steps so far included (as a piece the
+        next pieces of the same minute add to): vLLM's shutdown kills its worker process without
+        running its exit handlers, and a minute kept open until it ends would be lost with it."""
+        with self._lock:
+            self._keep(self._aggregator.drain())
         return self.interval if self.flush() else self.retry.failed()
 
     def stop(self, timeout: float = 30.0, attempts: int = 3) -> bool:
