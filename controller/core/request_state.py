@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from controller.core.events import quick_init
 from predictor.drafting.hindsight import Hindsight, TrackedDraft
 
 
+@quick_init  # one per draft, on the decode path
 @dataclass(frozen=True, slots=True)
 class CacheDraftRecord:
     """What the step that made a cache draft decided about it; its label comes later (hindsight)."""
@@ -22,6 +24,7 @@ class CacheDraftRecord:
     verified_len: int | None = None  # the prefix the step verified (cache decisions only)
 
 
+@quick_init  # one per verified draft, on the decode path
 @dataclass(frozen=True, slots=True)
 class VerifiedDraft:
     """What the engine verifies for the request in this step; the tokens it reports next step say

@@ -31,10 +31,10 @@ import numpy as np
 
 from controller.core.decision import (CACHE, MODEL, NONE, OFF_CACHE, OFF_MODEL, SOURCE_NAMES, DecisionConfig, decide,
                                       effective_rule, fallback_sources, rule_thresholds)
-from controller.core.events import DRAFTER_CACHE, DRAFTER_MODEL, EventQueue, LabelledEvent
+from controller.core.events import DRAFTER_CACHE, DRAFTER_MODEL, EventQueue, LabelledEvent, quick_init
 from controller.core.request_state import CacheDraftRecord, RequestState, VerifiedDraft
 from controller.core.snapshot import Controls, ServingSnapshot
-from predictor.decision.allocator import AUTO, FORCE_MODEL, FORCE_NONE, FULL_CACHE, NO_CACHE, allocate
+from predictor.decision.allocator import AUTO, FORCE_MODEL, FORCE_NONE, FULL_CACHE, NO_CACHE, allocate, allocate_one
 from predictor.decision.profiles import CostProfile, known_survival
 from predictor.drafting.cache_drafter import CacheDrafter, SuffixConfig
 from predictor.drafting.common_prefix import lcp
@@ -127,6 +127,7 @@ class RuntimeStats:
 # numpy computes with them or the engine receives them (docs/design/runtime.md, "What a step costs").
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class _Observed:
     """Observe: the step's requests after taking in their tokens, and the step's cache drafts."""
@@ -138,6 +139,7 @@ class _Observed:
     allowed: list[bool]  # the request may speculate this step
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class _Scored:
     """Score: the gate's view of every draft of the step, and of each request's own."""
@@ -150,6 +152,7 @@ class _Scored:
     length_list: list[int]  # `lengths` as a list
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class _Planned:
     """Plan: what each request verifies."""
@@ -189,11 +192,17 @@ class Runtime:
         # The model drafter's survival curve per workload, live from hindsight; its mean accepted
         # length at the configured k is what the binary rule calls mu_e.
         self.model_curves = self.decision.model_survival()
-        self.mu_e = {w: self.model_curves.mean_accepted(i) for i, w in enumerate(WORKLOADS)}
         self._clock = clock  # the one clock: event times and override expiry
         self._told_binary = False
         self._snapshot = ServingSnapshot(gate, version_id, self._rule_for(gate, version_id))
         self._report_versions()
+
+    @property
+    def mu_e(self) -> dict[str, float]:
+        """The model drafter's live mean accepted length per workload (at the configured k): what
+        the binary rule calls mu_e. Read when the binary rule decides, not kept up to date after
+        every model draft's label (the curves it comes from are)."""
+        return {w: self.model_curves.mean_accepted(i) for i, w in enumerate(WORKLOADS)}
 
     # ---------------------------------------------------------------- the control plane
     @property
@@ -323,7 +332,9 @@ class Runtime:
             predicted = np.where(np.isnan(known), predicted, known).astype(np.float32)
         curves = None
         if allocating:
-            if len(has_row) == n and row_curves.dtype == np.float32:
+            if n == 1 and main and known is None and row_curves.dtype == np.float32:
+                curves = row_curves[main[0] : main[0] + 1]  # a view: read only from here on
+            elif len(has_row) == n and row_curves.dtype == np.float32:
                 curves = row_curves[main]
             else:
                 curves = np.zeros((n, row_curves.shape[1]), dtype=np.float32)
@@ -450,19 +461,34 @@ class Runtime:
         if st.verifying is not None:
             self._settle(st, st.verifying, inp.verified, len(new) if inp.sampled is None else inp.sampled, len(new))
             st.verifying = None
-        chunks = [new[j : j + 1] for j in range(len(new))] if shadow and len(new) > 1 else [new]
-        for j, chunk in enumerate(chunks):
-            if len(chunk):
-                self.drafter.extend(inp.req_id, chunk)
-            for tracked, label in st.hindsight.append(chunk):
-                record = st.records.pop(tracked, None)
-                if record is None:  # drafted in this step: labelled once the step has scored it
-                    rows.labelled.append((st, tracked, label))
-                else:
-                    self._emit_cache(st, record, label, self._clock())
-            if shadow and j < len(chunks) - 1:
-                self._draft(st, rows)
+        hindsight = st.hindsight
+        if shadow and len(new) > 1:  # a token at a time, drafting after each but the last
+            last = len(new) - 1
+            for j, token in enumerate(new.tolist()):
+                self.drafter.extend(inp.req_id, new[j : j + 1])
+                labelled = hindsight.append_token(token)
+                if labelled:
+                    self._labelled(st, labelled, rows)
+                if j < last:
+                    self._draft(st, rows)
+        else:
+            if len(new):
+                self.drafter.extend(inp.req_id, new)
+            labelled = hindsight.append(new)
+            if labelled:
+                self._labelled(st, labelled, rows)
         return st
+
+    def _labelled(self, st: RequestState, labelled: list[tuple[TrackedDraft, int]], rows: "_StepDrafts") -> None:
+        """Drafts the request's new tokens decided: out as events, or, if this step made them,
+        once the step has scored them."""
+        records = st.records
+        for tracked, label in labelled:
+            record = records.pop(tracked, None)
+            if record is None:  # drafted in this step: labelled once the step has scored it
+                rows.labelled.append((st, tracked, label))
+            else:
+                self._emit_cache(st, record, label, self._clock())
 
     def _settle(self, st: RequestState, v: VerifiedDraft, verified: int | None, emitted: int, kept: int) -> None:
         """The engine's verdict on the draft planned for the request last time it ran: `verified`
@@ -486,10 +512,11 @@ class Runtime:
     def _draft(self, st: RequestState, rows: "_StepDrafts") -> int:
         """Draft at the request's current position; the draft joins its history at once (later
         positions of this step see it). Returns its row (-1: the cache had nothing)."""
-        d = self.drafter.draft(st.req_id, st.hindsight.tokens)
-        if not d.length:
+        hindsight = st.hindsight
+        d = self.drafter.draft(st.req_id, hindsight.tokens)
+        if not d.token_ids:
             return -1
-        return rows.add(st, st.hindsight.draft_context(d), st.hindsight.add(d))
+        return rows.add(st, hindsight.draft_context(d), hindsight.add(d))
 
     def _predict(self, snap: ServingSnapshot, rows: "_StepDrafts",
                  curves: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -546,18 +573,25 @@ class Runtime:
                 decision: list[str], tau: list[float], now: float, verified: list[int | None] | None = None) -> None:
         """Each draft of the step gets its record, complete, credited to the version that scored
         it; the drafts this step both made and labelled go out now."""
-        for r, (st, tracked) in enumerate(rows.owners):
-            st.records[tracked] = CacheDraftRecord(tracked.position, len(tracked.tokens), decision[r],
-                                                   float(predicted[r]), tau[r],
-                                                   snap.version_id if rows.versions is None else rows.versions[r],
-                                                   x[r].tobytes(),
-                                                   None if verified is None else verified[r])
+        owners = rows.owners
+        if owners:
+            # one bytes object for the matrix, cut per row: x[r].tobytes() per row costs more
+            blob, width = x.tobytes(), x.shape[1] * x.itemsize  # tobytes: C order, whatever x's layout
+            preds = predicted.tolist()
+            versions = rows.versions
+            version = snap.version_id
+            for r, (st, tracked) in enumerate(owners):
+                st.records[tracked] = CacheDraftRecord(tracked.position, len(tracked.tokens), decision[r],
+                                                       float(preds[r]), tau[r],
+                                                       version if versions is None else versions[r],
+                                                       blob[r * width : (r + 1) * width],
+                                                       None if verified is None else verified[r])
         self.stats.cache_drafts += len(rows)
         for st, tracked, label in rows.labelled:
             self._emit_cache(st, st.records.pop(tracked), label, now)
 
-    def _allocate(self, snap: ServingSnapshot, states: list[RequestState], workload: np.ndarray, curves: np.ndarray,
-                  predicted: np.ndarray, lengths: np.ndarray, allowed: np.ndarray, now: float) -> _Planned:
+    def _allocate(self, snap: ServingSnapshot, states: list[RequestState], workload: list[int], sc: _Scored,
+                  allowed: list[bool], now: float) -> _Planned:
         """The allocator's plan for the step.
 
         Constraints per request: opted out or backed off -> nothing; the model drafter's curve has
@@ -568,35 +602,54 @@ class Runtime:
         changes a request's constraint, the step is planned again with it."""
         n = len(states)
         d = self.decision
-        has = lengths > 0
+        curves, predicted, lengths, has_list = sc.curves, sc.predicted, sc.lengths, [k > 0 for k in sc.length_list]
+        if n == 1 and d.fixed_tau is None and not len(snap.controls.overrides):  # batch 1: in plain values
+            length = sc.length_list[0]
+            one = allocate_one(curves.tolist()[0], length,
+                               self.model_curves.curve(workload[0]).tolist() if d.model_drafting(1) else [],
+                               d.cost, AUTO if allowed[0] else FORCE_NONE)
+            tau = one.tau if length > 0 else np.nan
+            return _Planned(np.array([one.source], dtype=np.int8), [one.length], one.model_k,
+                            np.array([tau], dtype=np.float32), [tau])
         model = self.model_curves.curves(workload) if d.model_drafting(n) else np.zeros((n, 0))
         if d.fixed_tau is None:
-            mode = np.full(n, AUTO, dtype=np.int8)
+            mode_list = [AUTO if a else FORCE_NONE for a in allowed]
+            mode = np.array(mode_list, dtype=np.int8)
         else:
-            with np.errstate(invalid="ignore"):
-                mode = np.where(has & (predicted > d.fixed_tau), FULL_CACHE, NO_CACHE).astype(np.int8)
-        mode[~allowed] = FORCE_NONE
+            with np.errstate(invalid="ignore"):  # float32 against tau (as numpy compares them), so numpy's
+                mode = np.where((lengths > 0) & (predicted > d.fixed_tau), FULL_CACHE, NO_CACHE).astype(np.int8)
+            mode[~np.array(allowed, dtype=bool)] = FORCE_NONE
         plan = allocate(curves, lengths, model, d.cost, mode, batch=n)
+        if not len(snap.controls.overrides):  # the common case, in lists
+            if d.fixed_tau is None:
+                taus = plan.tau.tolist()
+                tau = [t if h else np.nan for t, h in zip(taus, has_list)]
+                return _Planned(plan.source, plan.length.tolist(), plan.model_k, np.array(tau, dtype=np.float32), tau)
+            mode_list = mode.tolist()
+            taus, fixed = plan.tau.tolist(), np.full(n, d.fixed_tau, dtype=np.float64).tolist()
+            tau = [(t if m == AUTO else f) if h else np.nan for t, f, m, h in zip(taus, fixed, mode_list, has_list)]
+            return _Planned(plan.source, plan.length.tolist(), plan.model_k, np.array(tau, dtype=np.float32),
+                            [f if h else np.nan for f, h in zip(fixed, has_list)])
+        has = lengths > 0
         auto = plan.tau if d.fixed_tau is None else np.full(n, d.fixed_tau)
         held = auto.copy()
-        if len(snap.controls.overrides):
-            changed = False
-            for i, eff in _resolve_overrides(snap.controls, states, auto, allowed, now):
-                if eff.mode == "off_model":
-                    mode[i] = FORCE_MODEL
-                elif eff.mode == "off_cache":
-                    mode[i] = FULL_CACHE if has[i] else FORCE_NONE
-                elif eff.tau is not None and (eff.mode == "fixed" or eff.tau != auto[i]):
-                    held[i] = eff.tau
-                    mode[i] = FULL_CACHE if has[i] and predicted[i] > eff.tau else NO_CACHE
-                else:
-                    continue
-                changed = True
-            if changed:
-                plan = allocate(curves, lengths, model, d.cost, mode, batch=n)
+        changed = False
+        for i, eff in _resolve_overrides(snap.controls, states, auto, np.array(allowed, dtype=bool), now):
+            if eff.mode == "off_model":
+                mode[i] = FORCE_MODEL
+            elif eff.mode == "off_cache":
+                mode[i] = FULL_CACHE if has[i] else FORCE_NONE
+            elif eff.tau is not None and (eff.mode == "fixed" or eff.tau != auto[i]):
+                held[i] = eff.tau
+                mode[i] = FULL_CACHE if has[i] and predicted[i] > eff.tau else NO_CACHE
+            else:
+                continue
+            changed = True
+        if changed:
+            plan = allocate(curves, lengths, model, d.cost, mode, batch=n)
         tau = np.where(mode == AUTO, plan.tau, held)
-        return _Planned(plan.source, plan.length, plan.model_k, np.where(has, tau, np.nan).astype(np.float32),
-                        np.where(has, auto, np.nan))
+        return _Planned(plan.source, plan.length.tolist(), plan.model_k, np.where(has, tau, np.nan).astype(np.float32),
+                        np.where(has, auto, np.nan).tolist())
 
     def _decide(self, snap: ServingSnapshot, states: list[RequestState], predicted: np.ndarray, lengths: np.ndarray,
                 allowed: np.ndarray, now: float) -> tuple[np.ndarray, np.ndarray]:
@@ -605,7 +658,8 @@ class Runtime:
         the decision."""
         n = len(states)
         controls = snap.controls
-        mu = np.array([self.mu_e[st.workload] for st in states], dtype=np.float64)
+        mu_e = self.mu_e
+        mu = np.array([mu_e[st.workload] for st in states], dtype=np.float64)
         fallback = fallback_sources(mu, self.decision, n)
         tau = rule_thresholds(lengths, mu, fallback, self.decision)
         if controls.corrections and self.decision.fixed_tau is None:
@@ -652,7 +706,6 @@ class Runtime:
         self.stats.model_accepted += accepted
         w = st.hindsight.workload
         self.model_curves.observe(w, verified, accepted)
-        self.mu_e[st.workload] = self.model_curves.mean_accepted(w)
         self.events.put(LabelledEvent(self._clock(), st.tenant, st.workload, st.req_id, m.position, DRAFTER_MODEL,
                                       "model", verified, accepted, None, None, m.version_id, None))
 
@@ -672,7 +725,10 @@ def _resolve_overrides(controls: Controls, states: Sequence[RequestState], auto_
 def _known_lengths(inputs: Sequence[RequestInput], rows: "_StepDrafts", main_row: np.ndarray) -> np.ndarray | None:
     """Each request's cache draft's true accepted length where its input carries the continuation
     (NaN elsewhere); None when no input does (every engine but a replay serving the upper bound)."""
-    if all(inp.continuation is None for inp in inputs):
+    for inp in inputs:
+        if inp.continuation is not None:
+            break
+    else:
         return None
     out = np.full(len(inputs), np.nan)
     for i, inp in enumerate(inputs):

@@ -19,8 +19,10 @@ The same code decides on the live runtime, the replay engine and the offline sim
 """
 from __future__ import annotations
 
-import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
+from typing import NamedTuple
 
 import numpy as np
 
@@ -61,6 +63,10 @@ def allocate(cache_survival: np.ndarray, cache_len: np.ndarray, model_survival: 
     curve for each request's workload (k_max = the longest model draft allowed; 0 columns: no model
     drafter). mode: per-request constraint (MODES), AUTO by default. batch: the batch size the cost
     profile is read at (default n)."""
+    if batch in (None, 1):
+        one = _one_request(cache_survival, cache_len, model_survival, mode)
+        if one is not None:  # a batch-1 step: allocate_each's plan, in plain floats
+            return _allocate_one(*one, cost)
     s = np.asarray(cache_survival, dtype=np.float64)
     n = s.shape[0] if s.ndim == 2 else -1
     lengths = np.asarray(cache_len, dtype=np.int64)
@@ -98,10 +104,15 @@ def allocate(cache_survival: np.ndarray, cache_len: np.ndarray, model_survival: 
     forced = mode == FORCE_MODEL
     k_from = 1 if (forced.any() and se.shape[1] > 0) else 0
     best = None
+    # The step's time at every query count a plan below can reach (the same numbers step.ms gives)
+    line = step.line_upto(base_query + se.shape[1] * n + len(ranked) + 1)
+    may_model = (mode == AUTO) | (mode == NO_CACHE) | forced
+    no_model = np.zeros(n, dtype=bool)
+    first_rate = n / step.ms(n, 0)
     for k in range(k_from, se.shape[1] + 1):
-        can_model = (mode == AUTO) | (mode == NO_CACHE) | forced if k else np.zeros(n, dtype=bool)
+        can_model = may_model if k else no_model
         model_gain = cum_model[:, k]
-        rate = n / step.ms(n, 0)
+        rate = first_rate
         for _ in range(ROUNDS):
             threshold = rate * step.marginal
             cache_value = np.where(auto, np.maximum(s - threshold, 0.0).sum(axis=1), 0.0)
@@ -117,7 +128,8 @@ def allocate(cache_survival: np.ndarray, cache_len: np.ndarray, model_survival: 
             gains[0] = base_tokens + (float(model_gain[use_model].sum()) if users else 0.0)
             np.cumsum(kept_ranked, out=gains[1:])
             gains[1:] += gains[0]
-            times = step.ms(base_query + k * users + np.arange(len(gains)), k if users else 0)
+            q0 = base_query + k * users
+            times = line[q0 : q0 + len(gains)] + step.draft[k if users else 0]
             ratios = gains / times
             m = int(np.argmax(ratios))
             plan_rate = float(ratios[m])
@@ -198,10 +210,130 @@ def allocate_each(cache_survival: np.ndarray, cache_len: np.ndarray, model_survi
     return Allocations(source, length, model_k.astype(np.int64), expected, step_ms, tau)
 
 
-@functools.lru_cache(maxsize=256)
+def _one_request(cache_survival, cache_len, model_survival, mode) -> tuple[list[float], int, list[float], int] | None:
+    """One request's valid inputs as plain values (its survival curve, draft length, the model
+    drafter's curve, its mode); None when they are not one valid request's (the general path then
+    decides, or raises what `_check` says)."""
+    s, lengths, se = np.asarray(cache_survival), np.asarray(cache_len), np.asarray(model_survival)
+    modes = np.zeros(1, dtype=np.int8) if mode is None else np.asarray(mode)
+    if not (s.ndim == 2 and se.ndim == 2 and lengths.shape == (1,) and modes.shape == (1,) and s.shape[0] == 1
+            and se.shape[0] == 1 and lengths.dtype.kind in "iu" and modes.dtype.kind in "iu"):
+        return None
+    (length,), (m,) = lengths.tolist(), modes.tolist()
+    row, model_row = s[0].tolist(), se[0].tolist()
+    if length < 0 or not AUTO <= m <= FORCE_NONE:
+        return None
+    for v in row:
+        if not 0.0 <= v <= 1.0:  # NaN fails too
+            return None
+    for v in model_row:
+        if not 0.0 <= v <= 1.0:
+            return None
+    return [float(v) for v in row], length, [float(v) for v in model_row], m
+
+
+class Single(NamedTuple):
+    """One request's plan (`allocate_one`), as plain values."""
+
+    source: int
+    length: int
+    model_k: int
+    expected: float
+    step_ms: float
+    rate: float
+    tau: float
+
+
+def allocate_one(cache_survival: Sequence[float], cache_len: int, model_survival: Sequence[float],
+                 cost: CostProfile, mode: int = AUTO) -> Single:
+    """`allocate` for a batch of one request, in and out as plain values (the survival curves as
+    sequences of floats): the same plan bit for bit, without the round trips through one-row
+    arrays that would cost a batch-1 step more than the planning."""
+    if cache_len < 0:
+        raise ValueError("cache_len must be >= 0")
+    for name, curve in (("cache_survival", cache_survival), ("model_survival", model_survival)):
+        for v in curve:
+            if not 0.0 <= v <= 1.0:  # NaN fails too
+                raise ValueError(f"{name} must hold probabilities in [0, 1]")
+    if not AUTO <= mode <= FORCE_NONE:
+        raise ValueError(f"mode must be one of {MODES}")
+    return _plan_one(cache_survival, cache_len, model_survival, mode, cost)
+
+
+def _allocate_one(s: list[float], length: int, se: list[float], mode: int, cost: CostProfile) -> Allocation:
+    one = _plan_one(s, length, se, mode, cost)
+    return Allocation(np.array([one.source], dtype=np.int8), np.array([one.length], dtype=np.int64), one.model_k,
+                      np.array([one.expected]), one.step_ms, one.rate, np.array([one.tau]))
+
+
+def _plan_one(s: Sequence[float], length: int, se: Sequence[float], mode: int, cost: CostProfile) -> Single:
+    """`allocate_each` for one step of one request, operation for operation in Python floats (IEEE
+    doubles, as numpy's float64), so the plan is the same bit for bit: the runtime plans every
+    batch-1 step, and there some twenty numpy calls on one-row arrays cost far more than the
+    arithmetic they do."""
+    width, k_max = len(s), len(se)
+    length = min(length, width)
+    step = _step_cost(cost, 1, k_max)
+    cache_ms, model_ms = step.one_request_ms(width)
+    # np.cumsum: the first term as is, then one addition per term (a draft's curve is 0 past its length)
+    cum_cache = [0.0, *accumulate([*s[:length], *[0.0] * (width - length)])]
+    cum_model = [0.0, *accumulate(se)]
+    prefixes = range(width + 1)
+    if mode == FORCE_MODEL and k_max > 0:
+        cache_ok = [False] * (width + 1)
+    elif mode == FULL_CACHE:
+        cache_ok = [p == length for p in prefixes]
+    elif mode == AUTO:
+        cache_ok = [p <= length for p in prefixes]
+    else:
+        cache_ok = [p == 0 for p in prefixes]
+    model_ok = mode in (AUTO, NO_CACHE, FORCE_MODEL)
+    scores = [(1.0 + c) / t if ok else -1.0 for c, t, ok in zip(cum_cache, cache_ms, cache_ok)]
+    scores += [(1.0 + c) / t if model_ok else -1.0 for c, t in zip(cum_model[1:], model_ms[1:])]
+    best = _argmax(scores)
+    is_model = best > width
+    model_k = best - width if is_model else 0
+    verified = model_k if is_model else best
+    source = MODEL if is_model else (CACHE if verified > 0 else NONE)
+    expected = 1.0 + (cum_model[model_k] if is_model else cum_cache[verified])
+    step_ms = (step.draft[model_k] if is_model else 0.0) + (cache_ms[verified] if verified <= width
+                                                             else step.scalar_ms(1 + verified, 0))
+    rate = expected / step_ms
+    fallback = 0.0
+    if k_max and model_ok:
+        f = cum_model[model_k] - rate * step.marginal * model_k
+        fallback = f if not f < 0.0 else 0.0  # np.maximum(f, 0.0)
+    tau = rate * step.marginal * length + fallback
+    return Single(source, verified, model_k, expected, float(step_ms), float(rate), tau)
+
+
+def _argmax(values: list[float]) -> int:
+    """np.argmax: the first maximum, or the first NaN if there is one."""
+    best, top = 0, values[0]
+    for i, v in enumerate(values):
+        if v != v:
+            return i
+        if v > top:
+            best, top = i, v
+    return best
+
+
+_STEP_COSTS: dict[tuple[int, int, int], tuple[CostProfile, "_StepCost"]] = {}
+
+
 def _step_cost(cost: CostProfile, batch: int, k_max: int) -> "_StepCost":
-    """Steps of one engine run share a handful of (profile, batch, k_max): read each once."""
-    return _StepCost(cost, batch, k_max)
+    """Steps of one engine run share a handful of (profile, batch, k_max): read each once. Keyed
+    by the profile object, not its value: hashing a profile's dozen fields on every step cost more
+    than the lookup saves (an entry holds its profile, so the id is not reused while it is kept)."""
+    key = (id(cost), batch, k_max)
+    hit = _STEP_COSTS.get(key)
+    if hit is not None and hit[0] is cost:
+        return hit[1]
+    if len(_STEP_COSTS) >= 256:
+        _STEP_COSTS.clear()
+    step = _StepCost(cost, batch, k_max)
+    _STEP_COSTS[key] = (cost, step)
+    return step
 
 
 class _StepCost:
@@ -212,6 +344,38 @@ class _StepCost:
         self.compute = cost.compute_ms_per_token
         self.marginal = max(self.per_query, self.compute)
         self.draft = [float(cost.draft_ms(batch, k)) for k in range(k_max + 1)]
+        self._tables: dict[int, tuple[list[float], list[float]]] = {}
+        self._line = np.zeros(0)
+
+    def scalar_ms(self, query: int, k: int) -> float:
+        """`ms` of one query count, in Python floats (the same operations)."""
+        t = self.base + self.per_query * query
+        if self.compute:
+            c = self.compute * query
+            t = t if (t >= c or t != t) else c  # np.maximum
+        return float(t + self.draft[k])
+
+    def one_request_ms(self, width: int) -> tuple[list[float], list[float]]:
+        """A one-request step's time verifying each cache prefix (0..width tokens), and with the model
+        draft of each length k (0..k_max): the same for every step of a run, so computed once."""
+        tables = self._tables.get(width)
+        if tables is None:
+            tables = self._tables[width] = ([self.scalar_ms(1 + p, 0) for p in range(width + 1)],
+                                            [self.scalar_ms(1 + k, k) for k in range(len(self.draft))])
+        return tables
+
+    def line_upto(self, count: int) -> np.ndarray:
+        """`ms(q, 0) - draft[0]` for q = 0..count-1 at least (the step without the drafter), as
+        `ms` computes it element by element: the allocator slices its candidate plans' times from
+        it instead of computing them again for every k and round."""
+        line = self._line  # (another thread may grow it meanwhile: what is returned is long enough)
+        if len(line) < count:
+            q = np.arange(max(count, 2 * len(line)))
+            line = self.base + self.per_query * q
+            if self.compute:
+                line = np.maximum(line, self.compute * q)
+            self._line = line
+        return line
 
     def ms(self, query: "int | np.ndarray", k: int) -> "float | np.ndarray":
         t = self.base + self.per_query * query

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 from arctic_inference.suffix_decoding import SuffixDecodingCache
-from arctic_inference.suffix_decoding._C import Draft, SuffixTree
+from arctic_inference.suffix_decoding._C import SuffixTree
 
 from predictor.drafting.common_prefix import lcp
 
@@ -73,6 +73,9 @@ class CacheDrafter:
             max_tree_depth=self.config.max_tree_depth,
             max_cached_requests=self.config.max_cached_requests,
         )
+        cfg = self.config
+        # vLLM's speculate arguments, by position (max_spec_offset 0, no tree speculation)
+        self._args = (cfg.num_speculative_tokens, cfg.max_spec_factor, 0.0, cfg.min_token_prob, False)
 
     def start(self, req_id: Hashable, prompt_token_ids: np.ndarray | Sequence[int]) -> None:
         """Begin a request; a finished request's cached response under the same id is evicted first."""
@@ -83,19 +86,17 @@ class CacheDrafter:
     def extend(self, req_id: Hashable, token_ids: np.ndarray | Sequence[int]) -> None:
         """Append realised output tokens (they become draftable for every request)."""
         if len(token_ids):
-            self._cache.add_active_response(req_id, _as_int32(token_ids))
+            _extend_trees(self._cache, req_id, _as_int32(token_ids))
 
     def stop(self, req_id: Hashable) -> None:
         self._cache.stop_request(req_id)
 
     def draft(self, req_id: Hashable, context: np.ndarray) -> CacheDraft:
         """Draft after `context` (the request's prompt + output so far; only its tail is matched)."""
-        cfg = self.config
-        d_prompt, d_global = _speculate_each_tree(
-            self._cache, req_id, _as_int32(context[-cfg.max_tree_depth :]),
-            max_spec_tokens=cfg.num_speculative_tokens,
-            max_spec_factor=cfg.max_spec_factor, max_spec_offset=0.0, min_token_prob=cfg.min_token_prob,
-            use_tree_spec=False)
+        cache = self._cache
+        pattern = _as_int32(context[-self.config.max_tree_depth :])
+        d_prompt = _speculate(cache._local_trees[req_id], pattern, *self._args)
+        d_global = _speculate(cache._global_tree, pattern, *self._args)
         if d_prompt.score >= d_global.score:
             best, other, tree = d_prompt, d_global, TREE_PROMPT
         else:
@@ -108,18 +109,37 @@ class CacheDrafter:
                           lcp(token_ids, other_ids))
 
 
-def _speculate_each_tree(cache: SuffixDecodingCache, req_id: Hashable, pattern: np.ndarray, *,
-                         max_spec_tokens: int, max_spec_factor: float, max_spec_offset: float,
-                         min_token_prob: float, use_tree_spec: bool) -> tuple[Draft, Draft]:
-    """The drafts of the request's prompt tree and of the global tree, in that order.
+# Where this module reaches into SuffixDecodingCache's trees (arctic-inference 0.3.0, pinned by the
+# Makefile): `draft` queries the request's prompt tree and the global tree separately with exactly
+# the arguments vLLM uses (its `speculate` returns only the better of the two drafts; the gate needs
+# both; the native call takes them by position), and `_extend_trees` appends
+# tokens as its `add_active_response` does, without that wrapper's per-call checks (the runtime
+# appends a token at a time, per request, every step).
+_speculate = SuffixTree.speculate_ndarray  # (tree, pattern, max_spec_tokens, max_spec_factor,
+#                                             max_spec_offset, min_token_prob, use_tree_spec) -> Draft
+_extend = SuffixTree.extend_ndarray  # (tree, seq_id, tokens)
 
-    `SuffixDecodingCache.speculate` (same parameters) returns only the better of the two; this is the
-    one place that reaches into its trees, whose native call takes the parameters by position.
-    """
-    args = (max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob, use_tree_spec)
-    return (SuffixTree.speculate_ndarray(cache._local_trees[req_id], pattern, *args),
-            SuffixTree.speculate_ndarray(cache._global_tree, pattern, *args))
+
+def _extend_trees(cache: SuffixDecodingCache, req_id: Hashable, tokens: np.ndarray) -> None:
+    """`cache.add_active_response(req_id, tokens)` for an int32 contiguous array: the request's
+    prompt tree, and its response in the global tree while it is cached there."""
+    tree = cache._local_trees.get(req_id)
+    if tree is None:
+        raise ValueError(f"Request '{req_id}' is not active")
+    if tokens.ndim != 1:
+        raise ValueError(f"ndarray input must have ndim=1, got ndim={tokens.ndim}")
+    _extend(tree, 0, tokens)
+    seq_id = cache._req_to_seq_id.get(req_id)
+    if seq_id is not None:
+        _extend(cache._global_tree, seq_id, tokens)
+
+
+_INT32 = np.dtype(np.int32)
 
 
 def _as_int32(tokens: np.ndarray | Sequence[int]) -> np.ndarray:
+    """The tokens as the contiguous int32 vector the native calls take (what the runtime passes
+    already is one: the check is cheaper than numpy's)."""
+    if tokens.__class__ is np.ndarray and tokens.dtype is _INT32 and tokens.strides == (4,):
+        return tokens
     return np.ascontiguousarray(tokens, dtype=np.int32)

@@ -6,6 +6,9 @@ is the column order. Offline replay and the live runtime both build DraftContext
 predictor.drafting.hindsight) and call feature_matrix, so the features a predictor learns from are the ones
 it is served.
 
+A live step of a few drafts builds its rows with `_few_rows`, the same formulas computed row by row
+(a change to one must be made in both; tests/test_runtime_reference.py holds them to the same bits).
+
 Every model stores the hash of the schema it was trained on; loading a model against another
 schema is refused, because a column shift would silently turn the gate into noise. Changing a
 formula or the order means bumping FEATURE_SCHEMA_VERSION.
@@ -149,9 +152,93 @@ def schema_hash() -> str:
 
 
 def feature_matrix(rows: Sequence[DraftContext], classes: TokenClasses) -> np.ndarray:
-    """phi for each row (float32, rows x NUM_FEATURES); a row without a draft has its draft columns 0."""
+    """phi for each row (float32, rows x NUM_FEATURES); a row without a draft has its draft columns 0.
+
+    Up to FEW_ROWS rows (a live step at small batch) the rows are built in Python by `_few_rows`,
+    to the same bits: the columns' hundred-odd numpy calls cost more than the arithmetic there."""
+    if len(rows) <= FEW_ROWS:
+        return _few_rows(rows, classes)
     inputs = _Inputs(rows, classes)
     x = np.empty((inputs.n, NUM_FEATURES), dtype=np.float32)
     for j, (_, formula) in enumerate(FEATURES):
         x[:, j] = formula(inputs)
     return x
+
+
+FEW_ROWS = 8  # up to this many rows, one Python pass per row beats the columns' numpy calls
+_LOG1P_CHUNK, _LOG1P_MAX = 4096, 1 << 17
+_log1p_table: list[float] = []
+
+
+def _log1p(v: int) -> float:
+    """np.log1p(v) for an integer count (numpy's own values: its SIMD log1p and libm's differ in
+    the last bit for some arguments), from a table numpy fills, grown on demand up to _LOG1P_MAX."""
+    table = _log1p_table
+    if v.__class__ is not int:  # a numpy or float count: numpy's own log1p
+        return float(np.log1p(np.float64(v)))
+    if 0 <= v < len(table):
+        return table[v]
+    if 0 <= v < _LOG1P_MAX:
+        end = min(_LOG1P_MAX, (v // _LOG1P_CHUNK + 1) * _LOG1P_CHUNK)
+        table.extend(np.log1p(np.arange(len(table), end, dtype=np.float64)).tolist())
+        return table[v]
+    return float(np.log1p(np.float64(v)))
+
+
+def _few_rows(rows: Sequence[DraftContext], classes: TokenClasses) -> np.ndarray:
+    """The rows of `feature_matrix`, each computed in Python floats, formula for formula as FEATURES
+    computes its columns in float64 before they are stored as float32 (a test holds the two to the
+    same bits; a change to a formula must be made in both). The one float32 computation, the sum of
+    a draft's probabilities, is numpy's own reduceat over the same segments."""
+    if not rows:
+        return np.empty((0, NUM_FEATURES), dtype=np.float32)
+    flags = classes.flag_list
+    drafts = [c.draft for c in rows]
+    sums = iter(_prob_sums(drafts))
+    log1p = _log1p_table  # counts below `small` are looked up inline, the rest through _log1p
+    if not log1p:
+        _log1p(0)
+    small = len(log1p)
+    workloads = range(len(WORKLOADS))
+    table = []
+    for c, d in zip(rows, drafts):
+        (_, continues, position, context_len, nesting, at_line_start, workload, prev_agree, prev_gap, has_prev,
+         last_label, mean_label, n_resolved, agree_2, agree_4, hit_streak) = c
+        tokens = d.token_ids
+        k = len(tokens)
+        if k:
+            probs = d.probs
+            seen = 0
+            for t in tokens:
+                seen |= flags[t]
+            first = flags[tokens[0]]
+            row = [float(d.match_len), k, d.score, d.score / k, min(probs), next(sums) / k, probs[0], probs[-1]]
+        else:
+            seen = first = 0
+            row = [0.0, 0, d.score, 0.0, 0.0, 0.0, 0.0, 0.0]
+        lp_position, lp_context, lp_gap, lp_resolved, lp_streak = [
+            log1p[v] if v.__class__ is int and 0 <= v < small else _log1p(v)
+            for v in (position, context_len, prev_gap, n_resolved, hit_streak)]
+        row += [d.tree == TREE_PROMPT, d.tree == TREE_GLOBAL, lp_position, lp_context,
+                (seen & NEWLINE) > 0, (seen & BRACKET) > 0, (seen & QUOTE) > 0, (seen & DIGIT) > 0,
+                0.0 if nesting < 0 else (float(MAX_NESTING) if nesting > MAX_NESTING else nesting),
+                at_line_start, prev_agree, lp_gap, has_prev, last_label, mean_label, lp_resolved,
+                d.other_score, d.other_len, d.trees_agree / k if k else 0.0, continues / k if k else 0.0,
+                agree_2, agree_4, lp_streak, (first & NEWLINE) > 0, (first & (BRACKET | QUOTE)) > 0]
+        row += [workload == i for i in workloads]
+        table.append(row)
+    return np.array(table, dtype=np.float32)
+
+
+def _prob_sums(drafts: Sequence[CacheDraft]) -> list[float]:
+    """Each non-empty draft's probabilities summed in float32, exactly as `_Inputs` sums them (the
+    same numpy reduceat over the same segments)."""
+    kept = [d for d in drafts if d.token_ids]
+    if not kept:
+        return []
+    probs = np.fromiter(chain.from_iterable(d.probs for d in kept), dtype=np.float32)
+    starts, at = [], 0
+    for d in kept:  # segments by token counts, as `_Inputs.firsts`
+        starts.append(at)
+        at += len(d.token_ids)
+    return np.add.reduceat(probs, starts).tolist()

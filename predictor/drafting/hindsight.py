@@ -90,6 +90,23 @@ class Hindsight:
             out.append(token)
         return self._resolve(final=False) if self._pending else []
 
+    def append_token(self, token: int) -> list[Labelled]:
+        """`append` of one token given as an int: the live runtime takes a multi-token step's
+        tokens one at a time (drafting in between), where a one-token array and its `tolist`
+        would cost more than the rest."""
+        end = self._length + 1
+        if end > len(self._buffer):
+            grown = np.zeros(max(2 * len(self._buffer), end), dtype=np.int32)
+            grown[: self._length] = self._buffer[: self._length]
+            self._buffer = grown
+        self._buffer[self._length] = token
+        self._length = end
+        out = self.out
+        self.nesting += self._classes.depth_delta[token]
+        self._streak = self._streak + 1 if self._first_tokens.pop(len(out), None) == token else 0
+        out.append(token)
+        return self._resolve(final=False) if self._pending else []
+
     def finish(self) -> list[Labelled]:
         """The request ended: every draft still waiting is labelled with what was realised."""
         return self._resolve(final=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -32,6 +32,11 @@ class TokenClasses:
     flags: np.ndarray  # uint8 bit set per token id
     depth_delta: list[int]  # opening minus closing brackets in the token's text
     ends_line: list[bool]  # the token's text ends with a newline
+    # `flags` as a list: a few drafts' tokens are looked up faster one by one than through numpy
+    flag_list: list[int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "flag_list", np.asarray(self.flags).tolist())
 
     @staticmethod
     def of_texts(texts: Sequence[str]) -> "TokenClasses":

@@ -136,6 +136,8 @@ class GatePredictor:
             raise TypeError(f"a point-estimate predictor ({POINT_FORMAT}) has no survival curve; "
                             f"only {SURVIVAL_FORMAT} gates do (retrain: hvd warmstart)")
         x = np.asarray(x, dtype=np.float32)
+        if x.shape == (0, len(self.mean)):  # a step without cache drafts: nothing to compute
+            return np.zeros((0, len(self._positions)), dtype=np.float32)
         return self._curve(self.logits(x), x[:, DRAFT_LEN_COLUMN])
 
     def _curve(self, z: np.ndarray, draft_len: np.ndarray) -> np.ndarray:
@@ -144,7 +146,7 @@ class GatePredictor:
         np.tanh(z, out=z)
         z += 1.0
         z *= 0.5
-        np.cumprod(z, axis=1, out=z)
+        z.cumprod(axis=1, out=z)
         z *= self._positions <= draft_len[:, None]
         return z
 
