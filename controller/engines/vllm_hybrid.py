@@ -145,39 +145,46 @@ class HybridState:
             self._meta[req_id] = meta
         return meta
 
+    def finish_requests(self, req_ids) -> None:
+        """Requests vLLM's scheduler finished or aborted: it says so at the start of a later step
+        (`finished_req_ids`), often one that schedules nothing, where no drafter is called; so the
+        plugin calls this from `execute_model`, before the step. Their remaining drafts are labelled
+        with what they output, and they are recorded (HVD_RECORD)."""
+        known = self.runtime.requests
+        for r in req_ids:
+            self._meta.pop(r, None)
+            st = known.get(r)
+            if st is None:
+                continue
+            if self.recorder is not None:
+                h = st.hindsight
+                self.recorder.add(ServedRequest(r, st.tenant, st.workload, h.tokens[: h.prompt_len].copy(),
+                                                np.asarray(h.out, dtype=np.int32)))
+            self.runtime.finish(r)
+
     def decide(self, runner, scheduler_output, sampled_token_ids):
         """The step as vLLM ran it: requests leave only when the scheduler says they finished or
-        were aborted (a request missing from this batch was preempted or not scheduled: it keeps
-        its state and continues where it was), and each request's last draft counts only as far as
-        the scheduler verified it."""
+        were aborted (`finish_requests`; a request missing from this batch was preempted or not
+        scheduled: it keeps its state and continues where it was), and each request's last draft
+        counts only as far as the scheduler verified it."""
         ib = runner.input_batch
         req_ids = list(ib.req_ids)
         valid = _valid_sampled_lists(runner, sampled_token_ids)
         known = self.runtime.requests
-        finished = [r for r in scheduler_output.finished_req_ids if r in known]
-        for r in scheduler_output.finished_req_ids:
-            self._meta.pop(r, None)
-        ended = set(finished)  # an id aborted and resubmitted in one step comes back as a new request
         scheduled = scheduler_output.scheduled_spec_decode_tokens
         inputs, rows = [], []
         for i, req_id in enumerate(req_ids):
             if not valid[i]:  # still prefilling: nothing sampled, nothing to draft
                 continue
             meta = self._metadata(runner, req_id)
-            first = req_id not in known or req_id in ended
+            first = req_id not in known
             new = _kept(_sampling_params(runner, req_id), valid[i], 0 if first else known[req_id].hindsight.output_len)
             prompt = ib.token_ids_cpu[i, : int(ib.num_prompt_tokens[i])].copy() if first else None
             inputs.append(RequestInput(req_id, new, prompt, tenant=meta.tenant, workload=meta.workload,
                                        speculate=meta.speculate, verified=_verified(scheduled.get(req_id)),
                                        sampled=len(valid[i]) if len(new) != len(valid[i]) else None))
             rows.append(i)
-        if self.recorder is not None:
-            for r in finished:
-                h = self.runtime.requests[r].hindsight
-                st = self.runtime.requests[r]
-                self.recorder.add(ServedRequest(r, st.tenant, st.workload, h.tokens[: h.prompt_len].copy(),
-                                                np.asarray(h.out, dtype=np.int32)))
-        plan = self.runtime.step(inputs, finished)
+        plan = self.runtime.step(inputs)
         return plan, rows, req_ids
 
     def propose(self, runner, original, scheduler_output, sampled_token_ids, args, kwargs) -> list[list[int]]:

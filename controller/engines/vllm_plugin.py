@@ -109,6 +109,10 @@ def install() -> None:
             if state is None:
                 return execute(self, scheduler_output, *args, **kwargs)
             state.clock.begin(scheduler_output.num_scheduled_tokens, scheduler_output.scheduled_spec_decode_tokens)
+            if scheduler_output.finished_req_ids:  # before the runner forgets them
+                t0 = time.perf_counter()
+                state.finish_requests(scheduler_output.finished_req_ids)
+                state.clock.add("hvd", time.perf_counter() - t0)
             t0 = time.perf_counter()
             out = execute(self, scheduler_output, *args, **kwargs)
             state.clock.add("target", time.perf_counter() - t0)
