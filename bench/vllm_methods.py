@@ -51,6 +51,7 @@ from eagle3_training.corpus import held_out_prompts  # noqa: E402
 BENCH_WORKLOADS = ("agentic", "code_edit", "sql")
 HYBRID_METHODS = ("hvd", "hvd-binary", "hvd-none")
 SERVER_METHODS = ("none", "ngram", "suffix", "eagle3", "hvd")
+SERVED_BY_HVD = {"hvd": "model", "hvd-none": "none"}  # `hvd serve --fallback ...`
 PRELOAD_CHOICES = {"on": (True,), "off": (False,), "both": (True, False)}
 # Targets from the allocator issue: HVD against the best non-HVD method's tokens/s, per batch size.
 SPEED_GOALS = {1: 1.0, 8: 1.15}
@@ -122,11 +123,11 @@ def server_command(method: str, port: int, preload: bool, database_url: str,
     from controller.cli.serve_vllm import ServeOptions, command, server_argv
 
     opts = ServeOptions(database_url=database_url, port=port, preload=preload, dtype=dtype,
-                        vllm_args=tuple(ve.measured_server_args()))
-    if method == "hvd":
+                        vllm_args=tuple(ve.measured_server_args()), fallback=SERVED_BY_HVD.get(method, "model"))
+    if method in SERVED_BY_HVD:
         return command(opts)
     if method not in ve.METHODS or method in ve.HYBRIDS:
-        raise ValueError(f"--server runs hvd through `hvd serve` and the baselines {SERVER_METHODS} through "
+        raise ValueError(f"--server runs {sorted(SERVED_BY_HVD)} through `hvd serve` and the baselines {SERVER_METHODS} through "
                          f"vLLM's server; got {method!r}")
     env = ve.subprocess_env(preload)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

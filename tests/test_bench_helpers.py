@@ -204,6 +204,9 @@ def test_baseline_server_is_the_same_server_without_the_plugin(monkeypatch):
     assert suffix[suffix.index("--speculative-config") + 1] == '{"method": "suffix", "num_speculative_tokens": 16}'
     with pytest.raises(ValueError, match="baselines"):
         vllm_methods.server_command("hvd-binary", 8123, False, "sqlite:///x.db")
+    none_argv, none_env = vllm_methods.server_command("hvd-none", 8123, False, "sqlite:///x.db")
+    assert none_env["HVD_FALLBACK"] == "none" and hvd_env["HVD_FALLBACK"] == "model"
+    assert none_argv[none_argv.index("--speculative-config") + 1] == suffix[suffix.index("--speculative-config") + 1]
 
 
 @pytest.mark.parametrize(("flags", "native"), [("fpu avx2 fma", False), ("avx2 avx512f avx512_bf16", True),
