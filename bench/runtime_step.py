@@ -28,11 +28,11 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
+import base64  # noqa: E402
 import gc  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
 import lzma  # noqa: E402
-import pickle  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -192,18 +192,22 @@ def record(gate: GatePredictor, groups: Sequence[Sequence], batch: int, steps_pe
     return rec
 
 
-def _plain(call: tuple) -> tuple:
-    """A recorded call with its RequestInputs as dicts of their fields (a reference file outlives
-    changes to the class: a field added since reads as its default)."""
+def _plain(call: tuple) -> list:
+    """A recorded call as JSON values (a reference file outlives changes to RequestInput: a field
+    added since reads as its default)."""
+    if call[0] == "finish":
+        return ["finish", call[1], np.asarray(call[2]).tolist()]
     if call[0] != "step":
-        return call
-    return ("step", [{f.name: getattr(inp, f.name) for f in fields(inp)} for inp in call[1]], call[2])
+        return list(call)
+    return ["step", [inp.to_json() for inp in call[1]], list(call[2])]
 
 
-def _from_plain(call: tuple) -> tuple:
+def _from_plain(call: list) -> tuple:
+    if call[0] == "finish":
+        return ("finish", call[1], np.array(call[2], dtype=np.int32))
     if call[0] != "step":
-        return call
-    return ("step", [RequestInput(**d) for d in call[1]], call[2])
+        return tuple(call)
+    return ("step", [RequestInput.from_json(d) for d in call[1]], call[2])
 
 
 # ---------------------------------------------------------------- replaying it, timed
@@ -385,9 +389,9 @@ def main() -> int:
     from predictor.drafting.features import schema_hash
 
     if args.reference is not None:
-        ref = pickle.loads(lzma.decompress(args.reference.read_bytes()))
-        gate = GatePredictor.from_bytes(ref["gate"], schema_hash())
-        recordings = {b: Recording(b, [_from_plain(c) for c in calls]) for b, calls in ref["recordings"].items()}
+        ref = json.loads(lzma.decompress(args.reference.read_bytes()))
+        gate = GatePredictor.from_bytes(base64.b64decode(ref["gate"]), schema_hash())
+        recordings = {int(b): Recording(int(b), [_from_plain(c) for c in calls]) for b, calls in ref["recordings"].items()}
         print(f"recordings and gate from {args.reference}")
     else:
         t0 = time.perf_counter()
@@ -402,17 +406,18 @@ def main() -> int:
     ok = True
     if args.reference is not None:
         for b in batches:
-            want = ref["digests"].get((b, args.metrics))
+            want = ref["digests"].get(f"{b}:{int(args.metrics)}")
             same = want is None or want == first[b].digest
             ok &= same
             print(f"batch {b}: plans, events and counters {'IDENTICAL to' if same else 'DIFFER from'} the reference"
                   + ("" if want is not None else " (no reference digest for this setting)"))
     if args.save_reference is not None:
-        digests = {(b, args.metrics): first[b].digest for b in batches}
+        digests = {f"{b}:{int(args.metrics)}": first[b].digest for b in batches}
         args.save_reference.parent.mkdir(parents=True, exist_ok=True)
-        args.save_reference.write_bytes(lzma.compress(pickle.dumps(
-            {"gate": gate.to_bytes(), "recordings": {b: [_plain(c) for c in r.calls] for b, r in recordings.items()},
-             "digests": digests})))
+        args.save_reference.write_bytes(lzma.compress(json.dumps(
+            {"gate": base64.b64encode(gate.to_bytes()).decode("ascii"),
+             "recordings": {str(b): [_plain(c) for c in r.calls] for b, r in recordings.items()},
+             "digests": digests}).encode()))
         print(f"reference written to {args.save_reference}")
     cases = [(b, phases) for phases in (False, True) for b in batches]
     passes: dict[tuple[int, bool], list[Pass]] = {c: [] for c in cases}

@@ -77,6 +77,20 @@ class RequestInput:
     # as `new_tokens`.
     sampled: int | None = None
 
+    _TOKEN_FIELDS = ("new_tokens", "prompt", "continuation")
+
+    def to_json(self) -> dict:
+        """Plain JSON values (token ids as lists): recorded step inputs kept in files, replayed later."""
+        return {f: (np.asarray(v).tolist() if f in RequestInput._TOKEN_FIELDS and v is not None else v)
+                for f, v in ((f, getattr(self, f)) for f in RequestInput.__dataclass_fields__)}
+
+    @classmethod
+    def from_json(cls, values: dict) -> "RequestInput":
+        """`to_json`'s inverse (token ids as int32 arrays); a field added since the file was written
+        takes its default."""
+        return cls(**{k: (np.array(v, dtype=np.int32) if k in cls._TOKEN_FIELDS and v is not None else v)
+                      for k, v in values.items()})
+
 
 @dataclass
 class StepPlan:

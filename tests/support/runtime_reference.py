@@ -136,7 +136,7 @@ def record(settings: dict[str, Any]) -> dict:
     done = [0]
 
     def rec_step(inputs, finished=()):
-        calls.append(["step", [encode_input(inp) for inp in inputs], list(finished)])
+        calls.append(["step", [inp.to_json() for inp in inputs], list(finished)])
         done[0] += 1
         clock.now += STEP_SECONDS
         plan = step(inputs, finished)
@@ -174,7 +174,7 @@ def replay(settings: dict[str, Any], calls: list) -> list:
     for call in calls:
         if call[0] == "step":
             clock.now += STEP_SECONDS
-            plan = runtime.step([RequestInput(**fields) for fields in decode_inputs(call[1])], call[2])
+            plan = runtime.step([RequestInput.from_json(values) for values in call[1]], call[2])
             out.append(["plan", plan_values(plan)])
         elif call[0] == "finish":
             runtime.finish(call[1], np.array(call[2], dtype=np.int32))
@@ -183,19 +183,6 @@ def replay(settings: dict[str, Any], calls: list) -> list:
         drain(runtime, out)
     out.append(["counters", counters(runtime)])
     return roundtrip(out)
-
-
-def encode_input(inp) -> dict:
-    from dataclasses import fields
-
-    values = {f.name: getattr(inp, f.name) for f in fields(inp)}
-    return {k: (np.asarray(v).tolist() if isinstance(v, (np.ndarray, list, tuple)) else v) for k, v in values.items()}
-
-
-def decode_inputs(items: list[dict]) -> list[dict]:
-    array_fields = ("new_tokens", "prompt", "continuation")
-    return [{k: (np.array(v, dtype=np.int32) if k in array_fields and v is not None else v) for k, v in d.items()}
-            for d in items]
 
 
 def plan_values(plan) -> dict:
