@@ -115,3 +115,17 @@ def session_scope(engine: Engine) -> Iterator[Session]:
         raise
     finally:
         session.close()
+
+
+def upsert_insert(session: Session, what: str):
+    """The `insert` construct with ON CONFLICT DO UPDATE of the session's database (the additive
+    upserts of statistics and step costs); `what` names the caller in the refusal of any other
+    database."""
+    dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    elif dialect == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert
+    else:
+        raise NotImplementedError(f"{what} supports postgresql and sqlite, not {dialect}")
+    return insert

@@ -17,6 +17,7 @@ from typing import Protocol
 from sqlalchemy import literal_column
 from sqlalchemy.orm import Session
 
+from storage.engine import upsert_insert
 from storage.limits import MAX_TENANT_LEN, MAX_WORKLOAD_LEN, text_problem
 from storage.models import DecisionEvent, StatBucket
 from storage.retention import keep_newest
@@ -222,14 +223,8 @@ def upsert_buckets(session: Session, deltas: Mapping[BucketKey, BucketDelta]) ->
         rows.append(row)
     if not rows:
         return 0
-    dialect = session.get_bind().dialect.name
-    if dialect == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
-    elif dialect == "sqlite":
-        from sqlalchemy.dialects.sqlite import insert
-    else:
-        raise NotImplementedError(f"upsert_buckets supports postgresql and sqlite, not {dialect}")
-    hist_sql = literal_column(_hist_merge_sql(dialect))
+    insert = upsert_insert(session, "upsert_buckets")
+    hist_sql = literal_column(_hist_merge_sql(session.get_bind().dialect.name))
     table = StatBucket.__table__
     for i in range(0, len(rows), UPSERT_CHUNK):
         stmt = insert(table).values(rows[i:i + UPSERT_CHUNK])

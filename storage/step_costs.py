@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from sqlalchemy import case, select
 from sqlalchemy.orm import Session
 
+from storage.engine import upsert_insert
 from storage.limits import text_problem
 from storage.models import StepCostMinute
 from storage.retention import keep_newest
@@ -97,13 +98,7 @@ def record_minutes(session: Session, replica: str, summaries: Iterable[MinuteLik
         rows[key] = _merge(rows[key], row) if key in rows else row
     if not rows:
         return 0
-    dialect = session.get_bind().dialect.name
-    if dialect == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
-    elif dialect == "sqlite":
-        from sqlalchemy.dialects.sqlite import insert
-    else:
-        raise NotImplementedError(f"record_minutes supports postgresql and sqlite, not {dialect}")
+    insert = upsert_insert(session, "record_minutes")
     table = StepCostMinute.__table__
     ordered = [rows[k] for k in sorted(rows)]  # concurrent writers lock rows in the same order
     for i in range(0, len(ordered), UPSERT_CHUNK):
