@@ -16,7 +16,8 @@ from predictor.replay.trace_replay import ReplayResult
 from storage.workloads import WORKLOADS
 
 SETTING_KEYS = {"cpu-smollm2/b1", "cpu-smollm2/b8", "gpu-8b/b1", "gpu-8b/b64"}
-FIGURE_KEYS = {"cycles_per_1k", "tokens_per_cycle", "wasted_per_1k", "speedup", "cache_share", "ms_per_1k"}
+FIGURE_KEYS = {"cycles_per_1k", "tokens_per_cycle", "wasted_per_1k", "speedup", "cache_share", "ms_per_1k",
+               "decode_ms_per_1k"}
 K = 24
 
 
@@ -95,6 +96,7 @@ def test_known_values(report):
         # no speculation at batch 1: one plain step per token
         assert none["overall"]["ms_per_1k"]["cpu-smollm2/b1"] == pytest.approx(1000 * cpu.step_ms(1, 1), abs=1e-3)
         assert none["overall"]["ms_per_1k"]["gpu-8b/b1"] == pytest.approx(1000 * gpu.step_ms(1, 1), abs=1e-3)
+        assert none["overall"]["decode_ms_per_1k"]["cpu-smollm2/b1"] == pytest.approx(1000 * cpu.step_ms(1, 1), abs=1e-3)
         assert none["overall"]["cycles_per_1k"] == 1000.0 and none["overall"]["speedup"] == 1.0
         # batching helps plain decoding (the steps are shared)
         assert none["overall"]["ms_per_1k"]["cpu-smollm2/b8"] < none["overall"]["ms_per_1k"]["cpu-smollm2/b1"]

@@ -96,6 +96,9 @@ def test_figures_from_a_tally():
     assert f.speedup == pytest.approx(2.0)
     assert f.cache_share == pytest.approx(3 / 5)
     assert tally.ms_per_1k == pytest.approx(5000.0)
+    # without its prefill cycle (10 ms, 1 token): 4 cycles, 9 tokens
+    assert (tally.first_tokens, tally.first_ms) == (1, pytest.approx(10.0))
+    assert tally.decode_ms_per_1k == pytest.approx(1000 * 40 / 9)
     none = figures(_run("none")[0], FLAT.target_ms(1))
     assert none.cycles_per_1k == 1000.0 and none.speedup == pytest.approx(1.0)
 
@@ -291,11 +294,15 @@ def test_lanes_at_batch_2_by_hand():
     assert (suffix.tokens, suffix.cycles, suffix.wasted, suffix.cache_cycles) == (10, 5, 3, 4)
     assert suffix.time_ms == pytest.approx(14 + 16 + 18 + 11 + 12)
     assert suffix.ms_per_1k == pytest.approx(7100.0)
+    # steps 0 (A's and B's prefill cycles) and 3 (C's) are left out of the decode-only figure
+    assert (suffix.first_tokens, suffix.first_ms) == (3, pytest.approx(14 + 11))
+    assert suffix.decode_ms_per_1k == pytest.approx(1000 * (16 + 18 + 12) / 7)
     # oracle-length verifies exactly the right tokens (each is worth its 1 ms at any rate below 1 token
     # per ms): A 1, 3, 1; B 1, 1, 2; C 1, 2 -> 14 + 16 + 15 + 11 + 12 ms, nothing wasted
     length = sim.lanes("oracle-length", LINEAR, 2, [0, 1, 2])
     assert (length.tokens, length.cycles, length.wasted, length.cache_cycles) == (10, 5, 0, 3)
     assert length.time_ms == pytest.approx(68.0)
+    assert length.decode_ms_per_1k == pytest.approx(1000 * (68 - 25) / 7)
     # the same traces on one lane: every cycle alone
     one = sim.lanes("suffix", LINEAR, 1, [0, 1, 2])
     assert (one.cycles, one.time_ms) == (8, pytest.approx(11 + 13 + 12 + 11 + 11 + 14 + 11 + 12))

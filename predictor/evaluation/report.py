@@ -99,9 +99,10 @@ def evaluate(data: Dataset, gate: GatePredictor, drafters: Sequence[DrafterProfi
         for policy in POLICIES:
             fig = _aggregate(simulator.per_trace(policy, cost), rp.workload, cost)
             ms = {name: _ms_per_1k(simulator, policy, c, b, groups) for name, (c, b) in zip(names, settings)}
-            fig["overall"]["ms_per_1k"] = {name: by["overall"] for name, by in ms.items()}
-            for w, f in fig["by_workload"].items():
-                f["ms_per_1k"] = {name: by[w] for name, by in ms.items()}
+            for key in ("ms_per_1k", "decode_ms_per_1k"):
+                fig["overall"][key] = {name: by[key]["overall"] for name, by in ms.items()}
+                for w, f in fig["by_workload"].items():
+                    f[key] = {name: by[key][w] for name, by in ms.items()}
             policies[policy] = fig
         report["drafters"][drafter.name] = {
             "simulated": True, "acceptance_measured": drafter.measured, "draft_len": drafter.draft_len,
@@ -131,9 +132,10 @@ def _profile_json(c: CostProfile) -> dict:
 
 
 def _ms_per_1k(simulator: Simulator, policy: str, cost: CostProfile, batch: int,
-               groups: dict[str, np.ndarray]) -> dict[str, float]:
+               groups: dict[str, np.ndarray]) -> dict[str, dict[str, float]]:
     """Engine ms per 1000 tokens, per workload (each workload's traces on their own `batch` lanes) and
-    overall (the workloads' time and tokens summed)."""
+    overall (the workloads' time and tokens summed): over every step (`ms_per_1k`) and over the steps
+    without a prefill cycle (`decode_ms_per_1k`, what an engine's decode-only steps are compared with)."""
     if batch == 1:
         per_trace = simulator.per_trace(policy, cost)
         tallies = {}
@@ -146,7 +148,8 @@ def _ms_per_1k(simulator: Simulator, policy: str, cost: CostProfile, batch: int,
     overall = Tally()
     for t in tallies.values():
         overall.add(t)
-    return {"overall": round(overall.ms_per_1k, 3), **{w: round(t.ms_per_1k, 3) for w, t in tallies.items()}}
+    return {key: {"overall": round(getattr(overall, key), 3), **{w: round(getattr(t, key), 3) for w, t in tallies.items()}}
+            for key in ("ms_per_1k", "decode_ms_per_1k")}
 
 
 def _aggregate(tallies: dict[int, Tally], trace_workload: np.ndarray, cost: CostProfile) -> dict:

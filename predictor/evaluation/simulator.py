@@ -58,7 +58,9 @@ class Figures:
 @dataclass
 class Tally:
     """Tokens and decode cycles of some traces (the simulator's, and the replay engine's live ones).
-    For a lockstep run at batch b > 1, `cycles` counts engine steps and `time_ms` sums their cost."""
+    For a lockstep run at batch b > 1, `cycles` counts engine steps and `time_ms` sums their cost.
+    `first_tokens` and `first_ms` are the tokens and time of the steps in which some request took its
+    prefill cycle: left out, the rest is what an engine's decode-only steps measure (decode_ms_per_1k)."""
 
     tokens: int = 0
     cycles: int = 0
@@ -66,6 +68,8 @@ class Tally:
     cache_cycles: int = 0
     model_cycles: int = 0
     time_ms: float = 0.0
+    first_tokens: int = 0
+    first_ms: float = 0.0
 
     def add(self, other: "Tally") -> None:
         self.tokens += other.tokens
@@ -74,6 +78,8 @@ class Tally:
         self.cache_cycles += other.cache_cycles
         self.model_cycles += other.model_cycles
         self.time_ms += other.time_ms
+        self.first_tokens += other.first_tokens
+        self.first_ms += other.first_ms
 
     @property
     def cycles_per_1k(self) -> float:
@@ -82,6 +88,11 @@ class Tally:
     @property
     def ms_per_1k(self) -> float:
         return 1000.0 * self.time_ms / max(self.tokens, 1)
+
+    @property
+    def decode_ms_per_1k(self) -> float:
+        """Engine ms per 1000 tokens over the steps without a prefill cycle in them."""
+        return 1000.0 * (self.time_ms - self.first_ms) / max(self.tokens - self.first_tokens, 1)
 
 
 @dataclass
@@ -267,8 +278,11 @@ class Simulator:
 
         cycles = np.bincount(place, minlength=slots).tolist()
         tokens, wasted, cache, model, time = (per(w.emitted), per(w.wasted), per(w.cache), per(w.model_k > 0), per(ms))
+        first = w.index == 0
+        first_tokens, first_ms = per(np.where(first, w.emitted, 0)), per(np.where(first, ms, 0.0))
         return {int(t): Tally(tokens=int(round(tokens[i])), cycles=cycles[i], wasted=int(round(wasted[i])),
-                              cache_cycles=int(round(cache[i])), model_cycles=int(round(model[i])), time_ms=time[i])
+                              cache_cycles=int(round(cache[i])), model_cycles=int(round(model[i])), time_ms=time[i],
+                              first_tokens=int(round(first_tokens[i])), first_ms=first_ms[i])
                 for i, t in enumerate(self.data.traces.tolist())}
 
     def lanes(self, policy: str, cost: CostProfile, batch: int, traces: Sequence[int] | np.ndarray) -> Tally:
@@ -307,9 +321,12 @@ class Simulator:
             if not decode.any():  # every lane is on its prefill cycle: a plain step
                 lane_t[lanes] = 1
                 lane_trace[lanes[length_of[trace] <= 1]] = -1
+                ms = float(cost.step_ms(n, n))
                 out.tokens += n
                 out.cycles += 1
-                out.time_ms += float(cost.step_ms(n, n))
+                out.time_ms += ms
+                out.first_tokens += n
+                out.first_ms += ms
                 continue
             rows = np.where(decode, start[trace] + t - 1, 0)
             s, lengths, se = self._inputs(policy, rows)
@@ -323,12 +340,17 @@ class Simulator:
             accepted = np.where(decode, np.minimum(accepted, left), 0)
             lane_t[lanes] = t + accepted + 1
             lane_trace[lanes[lane_t[lanes] >= length_of[trace]]] = -1
-            out.tokens += int(np.where(decode, np.minimum(accepted + 1, left), 1).sum())
+            tokens = int(np.where(decode, np.minimum(accepted + 1, left), 1).sum())
+            ms = float(cost.step_ms(n, n + int(a.length.sum()), a.model_k))
+            out.tokens += tokens
             out.cycles += 1
             out.wasted += int((a.length - accepted).sum())
             out.cache_cycles += int(np.count_nonzero(a.source == CACHE))
             out.model_cycles += int(np.count_nonzero(a.source == MODEL))
-            out.time_ms += float(cost.step_ms(n, n + int(a.length.sum()), a.model_k))
+            out.time_ms += ms
+            if not decode.all():
+                out.first_tokens += tokens
+                out.first_ms += ms
 
 
 def trace_starts(data: SimInput) -> np.ndarray:
@@ -395,11 +417,16 @@ def _fixed_lanes(w: Walk, traces: np.ndarray, trace_ids: int, cost: CostProfile,
     query = np.bincount(step, weights=w.query[pick], minlength=steps)
     model_k = np.zeros(steps, dtype=np.int64)
     np.maximum.at(model_k, step, w.model_k[pick])
-    time = 0.0
+    step_ms = np.zeros(steps, dtype=np.float64)
     for n in np.unique(active).tolist():
         at = active == n
-        time += float(np.sum(cost.step_ms(n, query[at], model_k[at])))
-    out.tokens = int(w.emitted[pick].sum())
+        step_ms[at] = cost.step_ms(n, query[at], model_k[at])
+    first = np.bincount(step, weights=index == 0, minlength=steps) > 0  # a request's prefill cycle is in the step
+    emitted = w.emitted[pick]
+    out.tokens = int(emitted.sum())
+    out.first_tokens = int(emitted[first[step]].sum())
+    out.first_ms = float(step_ms[first].sum())
+    time = float(step_ms.sum())
     out.cycles = steps
     out.wasted = int(w.wasted[pick].sum())
     out.cache_cycles = int(np.count_nonzero(w.cache[pick]))
