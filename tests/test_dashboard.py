@@ -173,6 +173,16 @@ def test_overview_figures_worked_out_by_hand(known_db):
     assert (shown["Tokens generated"], shown["Tokens per cycle"]) == ("400", "2.222")
 
 
+def test_overview_prices_with_the_serving_cost_profile(known_db, monkeypatch):
+    monkeypatch.setenv("HVD_COST_PROFILE", "gpu-8b")
+    at = run(page("overview"))
+    assert at.selectbox(key="cost_profile").value == "gpu-8b"
+    monkeypatch.setenv("HVD_COST_PROFILE", "no-such-profile")
+    at = run(page("overview"))
+    assert at.selectbox(key="cost_profile").value == "cpu-smollm2"  # the serving default
+    assert any("HVD_COST_PROFILE" in w.value and "no-such-profile" in w.value for w in at.warning)
+
+
 def test_quality_and_health_figures_worked_out_by_hand(known_db):
     shown = metrics(run(page("quality")))
     # tp 3 + 1 + 2 = 6, fp 1 + 1 + 0 = 2, fn 2 + 0 + 1 = 3

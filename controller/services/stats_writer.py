@@ -9,33 +9,28 @@ Producers (the event writer, the runtime's step counts) only add; this service a
 """
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterable
 
 from sqlalchemy import Engine
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
 
-from controller.services.lifecycle import BackgroundService
-from storage.engine import session_scope
+from controller.services.batch_writer import BatchWriter
 from storage.stats import (BUCKET_SECONDS, BucketDelta, BucketKey, EventLike, add_dropped, add_steps,
                            aggregate_into, merge_deltas, upsert_buckets)
 
 
-class StatsWriter(BackgroundService):
+class StatsWriter(BatchWriter):
     name = "hvd-stats-writer"
 
     def __init__(self, engine: Engine, flush_interval: float = 5.0, max_pending_keys: int = 100_000,
                  bucket_seconds: int = BUCKET_SECONDS, max_backoff: float = 2.0) -> None:
         if max_pending_keys < 1:
             raise ValueError(f"max_pending_keys must be >= 1, got {max_pending_keys}")
-        super().__init__(flush_interval, max_backoff)
-        self.engine = engine  # swappable (e.g. after a failover)
+        super().__init__(engine, flush_interval, max_backoff)
         self.max_pending_keys = max_pending_keys
         self.bucket_seconds = bucket_seconds
         self.dropped_keys = 0
         self._pending: dict[BucketKey, BucketDelta] = {}
-        self._lock = threading.Lock()  # guards _pending and the counters above
 
     # --- producers (any thread) ---------------------------------------------------------------
 
@@ -66,38 +61,11 @@ class StatsWriter(BackgroundService):
                 del self._pending[key]
             self.dropped_keys += excess
 
-    # --- flushing -------------------------------------------------------------------------------
+    # --- writing (controller.services.batch_writer) ------------------------------------------------
 
-    def flush(self) -> bool:
-        """Write all pending deltas now; False (deltas kept) if the database refused."""
-        with self._round_lock:
-            with self._lock:
-                batch, self._pending = self._pending, {}
-            if not batch:
-                return True
-            try:
-                with session_scope(self.engine) as session:
-                    upsert_buckets(session, batch)
-            except SQLAlchemyError as exc:
-                with self._lock:
-                    # The failed batch is older than anything added meanwhile: put it first.
-                    self._pending = merge_deltas(batch, self._pending)
-                    self._bound()
-                    self.failed(exc)
-                return False
-            self.succeeded()
-            return True
+    def write(self, session: Session, batch: dict[BucketKey, BucketDelta]) -> None:
+        upsert_buckets(session, batch)
 
-    def round(self) -> float:
-        return self.interval if self.flush() else self.retry.failed()
-
-    def stop(self, timeout: float = 30.0, attempts: int = 3) -> bool:
-        """Stop the thread (if any) and drain: a final flush, retried up to `attempts` times.
-        True if nothing is left pending."""
-        if super().stop(timeout):
-            return True
-        for _ in range(attempts - 1):
-            time.sleep(min(self.interval, 0.5))
-            if self.flush():
-                return True
-        return False
+    def put_back(self, batch: dict[BucketKey, BucketDelta]) -> None:
+        self._pending = merge_deltas(batch, self._pending)
+        self._bound()

@@ -16,19 +16,17 @@ and step costs are read as trends, not accounts.
 """
 from __future__ import annotations
 
-import threading
-import time
-
 from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
 
 from controller.core.step_costs import MAX_SAMPLES, MinuteAggregator, MinuteSummary, StepTiming, merge_summaries
-from controller.services.lifecycle import BackgroundService
+from controller.services.batch_writer import BatchWriter
 from storage.engine import session_scope
 from storage.step_costs import KEEP_STEP_COST_MINUTES, prune_step_cost_minutes, record_minutes
 
 
-class StepCostWriter(BackgroundService):
+class StepCostWriter(BatchWriter):
     name = "hvd-step-costs"
 
     def __init__(self, engine: Engine, replica: str, flush_interval: float = 10.0, max_pending_minutes: int = 1440,
@@ -36,8 +34,7 @@ class StepCostWriter(BackgroundService):
                  KEEP_STEP_COST_MINUTES, prune_every: int = 30) -> None:
         if max_pending_minutes < 1:
             raise ValueError(f"max_pending_minutes must be >= 1, got {max_pending_minutes}")
-        super().__init__(flush_interval, max_backoff)
-        self.engine = engine  # swappable (e.g. after a failover)
+        super().__init__(engine, flush_interval, max_backoff)
         self.replica = replica
         self.max_pending_minutes = max_pending_minutes
         self.keep_minutes = keep_minutes
@@ -47,7 +44,6 @@ class StepCostWriter(BackgroundService):
         self.written_minutes = 0  # rows written (a minute written in two pieces counts twice)
         self._aggregator = MinuteAggregator(max_samples)
         self._pending: dict[int, MinuteSummary] = {}  # closed minutes by start; insertion order: oldest first
-        self._lock = threading.Lock()  # guards _aggregator, _pending and the counters above
         self._unpruned = 0
 
     # --- the engine (any thread) -------------------------------------------------------------------
@@ -75,29 +71,25 @@ class StepCostWriter(BackgroundService):
                 del self._pending[minute]
             self.dropped_minutes += excess
 
-    # --- writing -----------------------------------------------------------------------------------
+    # --- writing (controller.services.batch_writer) ------------------------------------------------
 
-    def flush(self) -> bool:
-        """Write every closed minute now; False (minutes kept) if the database refused."""
-        with self._round_lock:
-            with self._lock:
-                batch, self._pending = self._pending, {}
-            if not batch:
-                return True
-            try:
-                with session_scope(self.engine) as session:
-                    self.written_minutes += record_minutes(session, self.replica, batch.values())
-            except SQLAlchemyError as exc:
-                with self._lock:
-                    pending, self._pending = self._pending, batch  # the failed batch is older: first
-                    self._keep(list(pending.values()))
-                    self.failed(exc)
-                return False
-            self.succeeded()
-            self._unpruned += 1
-            if self.keep_minutes is not None and self._unpruned >= self.prune_every:
-                self.prune()
-            return True
+    def write(self, session: Session, batch: dict[int, MinuteSummary]) -> None:
+        self.written_minutes += record_minutes(session, self.replica, batch.values())
+
+    def put_back(self, batch: dict[int, MinuteSummary]) -> None:
+        pending, self._pending = self._pending, batch
+        self._keep(list(pending.values()))
+
+    def close_open(self) -> None:
+        """Every round writes the open minute's steps so far too (as a piece the next pieces of the
+        same minute add to): vLLM's shutdown kills its worker process without running its exit
+        handlers, and a minute kept open until it ends would be lost with it."""
+        self._keep(self._aggregator.drain())
+
+    def after_write(self) -> None:
+        self._unpruned += 1
+        if self.keep_minutes is not None and self._unpruned >= self.prune_every:
+            self.prune()
 
     def prune(self) -> int:
         """Apply the retention limit; 0 if disabled or the database refused (tried again later)."""
@@ -110,24 +102,3 @@ class StepCostWriter(BackgroundService):
         except SQLAlchemyError as exc:
             self.failed(exc)
             return 0
-
-    def round(self) -> float:
-        """Write what every round has, the open minute's steps so far included (as a piece the
-        next pieces of the same minute add to): vLLM's shutdown kills its worker process without
-        running its exit handlers, and a minute kept open until it ends would be lost with it."""
-        with self._lock:
-            self._keep(self._aggregator.drain())
-        return self.interval if self.flush() else self.retry.failed()
-
-    def stop(self, timeout: float = 30.0, attempts: int = 3) -> bool:
-        """Stop the thread (if any), close the open minute and write everything, retried up to
-        `attempts` times. True if nothing is left pending."""
-        with self._lock:
-            self._keep(self._aggregator.drain())
-        if super().stop(timeout):
-            return True
-        for _ in range(attempts - 1):
-            time.sleep(min(self.interval, 0.5))
-            if self.flush():
-                return True
-        return False
