@@ -474,3 +474,21 @@ def test_gpu_profile_has_a_compute_bound_floor_from_published_figures():
     assert gpu.step_ms(64, 64 * 13) == pytest.approx(64 * 13 * gpu.compute_ms_per_token)
     cpu = cost_profiles()["cpu-smollm2"]
     assert cpu.draft_ms(8, 3) == pytest.approx(6.6)  # 2.2 ms per drafted position at batch 8, measured
+
+
+def test_deciding_with_one_profile_and_pricing_with_another():
+    # hvd-binary's tau comes from the cost profile: deciding with DEAR (10 ms a query token), priced
+    # FLAT (10 ms a forward), walks exactly DEAR's cycles and prices each at 10 ms
+    dear = CostProfile("dear", base_ms=1.0, per_token_ms=10.0, draft_token_ms=0.0)
+    sim = Simulator(_input(), DRAFTER, MODEL_ACC)
+    decided = sim.per_trace("hvd-binary", FLAT, decide=dear)
+    by_dear, by_flat = sim.per_trace("hvd-binary", dear), sim.per_trace("hvd-binary", FLAT)
+    assert [decided[t].cycles for t in (0, 1, 2)] == [by_dear[t].cycles for t in (0, 1, 2)]
+    assert [decided[t].cycles for t in (0, 1, 2)] != [by_flat[t].cycles for t in (0, 1, 2)]
+    assert [decided[t].time_ms for t in (0, 1, 2)] == pytest.approx([10.0 * by_dear[t].cycles for t in (0, 1, 2)])
+    # the allocator at batch 2: LINEAR's plan, every engine step priced FLAT
+    lanes = Simulator(LANES, NO_MODEL, np.zeros(7, np.int64))
+    mixed = lanes.lanes("oracle-length", FLAT, 2, [0, 1, 2], decide=LINEAR)
+    linear = lanes.lanes("oracle-length", LINEAR, 2, [0, 1, 2])
+    assert (mixed.tokens, mixed.cycles, mixed.wasted) == (linear.tokens, linear.cycles, linear.wasted)
+    assert mixed.time_ms == pytest.approx(10.0 * linear.cycles)

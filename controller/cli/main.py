@@ -129,6 +129,10 @@ def _parser() -> _Parser:
     e.add_argument("--settings", nargs="+", metavar="PROFILE/bN",
                    help="cost profile and batch size pairs for ms_per_1k (default: "
                         + " ".join(f"{name}/b{batch}" for name, batch in SETTINGS) + ")")
+    e.add_argument("--decide-profile", metavar="PROFILE",
+                   help="the policies decide with this cost profile while every step is priced with --cost-profile "
+                        "and --settings: e.g. the prior a replica serves with until its live fit, priced at what this "
+                        "machine's steps cost (default: each decides with the profile it is priced with)")
     e.add_argument("--all-sessions", action="store_true",
                    help="evaluate on every session, e.g. your own traces that the predictor never saw")
 
@@ -351,9 +355,10 @@ def _eval(args: argparse.Namespace, engine) -> int:
     costs = cost_profiles()
     (cost,) = pick(costs, [args.cost_profile], "cost")
     settings = parse_settings(args.settings, costs) if args.settings else None
+    (decide,) = pick(costs, [args.decide_profile], "cost") if args.decide_profile else (None,)
     version_id, gate = load_gate(engine, args.version)
     report = evaluate(_dataset(args), gate, drafters, cost, seed=args.seed, all_traces=args.all_sessions,
-                      version_id=version_id, settings=settings)
+                      version_id=version_id, settings=settings, decide=decide)
     print(format_table(report))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -55,8 +55,10 @@ def parse_settings(names: Sequence[str], profiles: dict[str, CostProfile]) -> li
 
 def evaluate(data: Dataset, gate: GatePredictor, drafters: Sequence[DrafterProfile], cost: CostProfile,
              seed: int = 0, all_traces: bool = False, version_id: int | None = None,
-             settings: Sequence[tuple[CostProfile, int]] | None = None) -> dict:
-    """`cost` prices the batch-1 figures (cycles, speedup: the seed's report); `settings` the ms_per_1k."""
+             settings: Sequence[tuple[CostProfile, int]] | None = None, decide: CostProfile | None = None) -> dict:
+    """`cost` prices the batch-1 figures (cycles, speedup: the seed's report); `settings` the ms_per_1k.
+    `decide`, if given, is what the policies decide with (e.g. the prior a replica serves with before
+    its live fit) while every step is still priced with `cost` or the setting's profile."""
     settings = list(default_settings() if settings is None else settings)
     if not settings:
         raise ValueError("evaluate needs at least one (cost profile, batch) setting")
@@ -82,6 +84,7 @@ def evaluate(data: Dataset, gate: GatePredictor, drafters: Sequence[DrafterProfi
         "split": "all traces" if all_traces else "held-out sessions",
         "data": {"traces": int(keep.sum()), "output_tokens": int(rp.output_len[keep].sum()),
                  "cache_drafts": int(has.sum())},
+        "decided_with": decide.name if decide is not None else None,
         "cost_profile": {"name": cost.name, "base_ms": cost.base_ms, "per_token_ms": cost.per_token_ms,
                          "draft_token_ms": cost.draft_token_ms, "description": cost.description},
         "settings": {name: {"cost_profile": c.name, "batch": b} for name, (c, b) in zip(names, settings)},
@@ -97,8 +100,8 @@ def evaluate(data: Dataset, gate: GatePredictor, drafters: Sequence[DrafterProfi
         simulator = Simulator(sim, drafter, model_acc)
         policies = {}
         for policy in POLICIES:
-            fig = _aggregate(simulator.per_trace(policy, cost), rp.workload, cost)
-            ms = {name: _ms_per_1k(simulator, policy, c, b, groups) for name, (c, b) in zip(names, settings)}
+            fig = _aggregate(simulator.per_trace(policy, cost, decide), rp.workload, cost)
+            ms = {name: _ms_per_1k(simulator, policy, c, b, groups, decide) for name, (c, b) in zip(names, settings)}
             for key in ("ms_per_1k", "decode_ms_per_1k"):
                 fig["overall"][key] = {name: by[key]["overall"] for name, by in ms.items()}
                 for w, f in fig["by_workload"].items():
@@ -132,19 +135,19 @@ def _profile_json(c: CostProfile) -> dict:
 
 
 def _ms_per_1k(simulator: Simulator, policy: str, cost: CostProfile, batch: int,
-               groups: dict[str, np.ndarray]) -> dict[str, dict[str, float]]:
+               groups: dict[str, np.ndarray], decide: CostProfile | None = None) -> dict[str, dict[str, float]]:
     """Engine ms per 1000 tokens, per workload (each workload's traces on their own `batch` lanes) and
     overall (the workloads' time and tokens summed): over every step (`ms_per_1k`) and over the steps
     without a prefill cycle (`decode_ms_per_1k`, what an engine's decode-only steps are compared with)."""
     if batch == 1:
-        per_trace = simulator.per_trace(policy, cost)
+        per_trace = simulator.per_trace(policy, cost, decide)
         tallies = {}
         for w, traces in groups.items():
             tallies[w] = Tally()
             for t in traces.tolist():
                 tallies[w].add(per_trace[t])
     else:
-        tallies = {w: simulator.lanes(policy, cost, batch, traces) for w, traces in groups.items()}
+        tallies = {w: simulator.lanes(policy, cost, batch, traces, decide) for w, traces in groups.items()}
     overall = Tally()
     for t in tallies.values():
         overall.add(t)

@@ -266,9 +266,10 @@ class Simulator:
             self._walks[key] = walk(self.plan(policy, cost, batch), self.data, self.model_acc)
         return self._walks[key]
 
-    def per_trace(self, policy: str, cost: CostProfile) -> dict[int, Tally]:
-        """Batch 1: one Tally per trace index."""
-        w = self.walk(policy, cost, 1)
+    def per_trace(self, policy: str, cost: CostProfile, decide: CostProfile | None = None) -> dict[int, Tally]:
+        """Batch 1: one Tally per trace index, every cycle priced with `cost`; the policy decides with
+        `decide` if given (what a replica decides with before its live fit, priced at what steps cost)."""
+        w = self.walk(policy, decide or cost, 1)
         ms = np.asarray(cost.step_ms(1, w.query, w.model_k), dtype=np.float64)
         slots = len(self.data.traces)
         place = self._order[w.trace]
@@ -285,20 +286,23 @@ class Simulator:
                               first_tokens=int(round(first_tokens[i])), first_ms=first_ms[i])
                 for i, t in enumerate(self.data.traces.tolist())}
 
-    def lanes(self, policy: str, cost: CostProfile, batch: int, traces: Sequence[int] | np.ndarray) -> Tally:
+    def lanes(self, policy: str, cost: CostProfile, batch: int, traces: Sequence[int] | np.ndarray,
+              decide: CostProfile | None = None) -> Tally:
         """Batch `batch`: the given traces (indices, in arrival order) on `batch` lanes in lockstep.
         One Tally: tokens, engine steps (`cycles`), rejected draft tokens, request-cycles that verified
-        a cache / model draft, and the engine time."""
+        a cache / model draft, and the engine time, every step priced with `cost`; the policy decides
+        with `decide` if given, else with `cost`."""
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
         traces = np.asarray(traces, dtype=np.int64)
         if len(traces) and (traces.min() < 0 or traces.max() >= len(self._order) or self._order[traces].min() < 0):
             raise ValueError("lanes(): every trace must be one of the SimInput's traces")
         if batch > 1 and self.uses_allocator(policy):
-            return self._allocated_lanes(policy, cost, batch, traces)
-        return _fixed_lanes(self.walk(policy, cost, batch), traces, len(self._order), cost, batch)
+            return self._allocated_lanes(policy, cost, batch, traces, decide or cost)
+        return _fixed_lanes(self.walk(policy, decide or cost, batch), traces, len(self._order), cost, batch)
 
-    def _allocated_lanes(self, policy: str, cost: CostProfile, batch: int, traces: np.ndarray) -> Tally:
+    def _allocated_lanes(self, policy: str, cost: CostProfile, batch: int, traces: np.ndarray,
+                         decide: CostProfile) -> Tally:
         """The allocator at every engine step, for the lanes' current rows at once."""
         data, out = self.data, Tally()
         length_of, start, label, draw = data.output_len, self._start, data.label, self.model_acc
@@ -333,7 +337,7 @@ class Simulator:
             lengths = np.where(decode, lengths, 0)
             s = s[:, : max(int(lengths.max()), 1)]  # nothing past the step's longest draft counts
             mode = np.where(decode, AUTO, FORCE_NONE).astype(np.int8)
-            a = allocate(s, lengths, se, cost, mode)
+            a = allocate(s, lengths, se, decide, mode)
             left = length_of[trace] - t
             accepted = np.where(a.source == CACHE, np.minimum(label[rows], a.length),
                                 np.where(a.source == MODEL, np.minimum(draw[rows], a.length), 0))
