@@ -25,6 +25,8 @@ What it does, all on the bundled SmolLM2-135M, greedy, held-out agentic, code-ed
    recording, the method's policy's `decode_ms_per_1k` (the same steps left out): none -> none,
    suffix -> suffix, hvd -> hvd with the EAGLE3 head's measured curve (eagle3-smollm2, simulated
    draws), hvd-none -> hvd with a drafter that is never accepted (so never called), arctic -> arctic.
+   HVD's replays decide with the prior its allocator served with (`--decide-profile cpu-smollm2`:
+   the live fit takes over only after 200 decode steps) and are priced with the fitted line.
 
 Printed per batch: engine decode ms per 1k tokens (median [min-max] over repetitions) beside the
 replay's, the error, both rankings, and the counts (decode steps, draft, accepted and rejected tokens
@@ -32,6 +34,7 @@ per 1000 output tokens, engine against replay). Target (issue 27): every method 
 
     python bench/replay_agreement.py [--dtype bfloat16] [--batches 1 8] [--reps 3] [--per-workload 6]
                                      [--max-tokens 128] [--methods none suffix hvd-none hvd] [--profile NAME]
+    python bench/replay_agreement.py --runs var/agreement/bf16.json   # the replays again, no engine
 """
 from __future__ import annotations
 
@@ -62,7 +65,10 @@ REPLAYED_AS = {"none": ("none", "eagle3-smollm2"), "suffix": ("suffix", "eagle3-
                "hvd": ("hvd", "eagle3-smollm2"), "hvd-none": ("hvd", NO_DRAFTER),
                "arctic": ("arctic", "eagle3-smollm2")}
 GOAL_ERROR = 0.05
-PRIOR = "cpu-smollm2"  # the fit's prior: the serving default (HVD_COST_PROFILE)
+PRIOR = "cpu-smollm2"  # the serving default (HVD_COST_PROFILE): the fit's prior, and what HVD decided with
+# HVD's allocator decides with the prior until its live fit has 200 decode steps: all of a batch-8 run
+# here, about half of a batch-1 run. Its replay decides with the prior too (hvd eval --decide-profile).
+DECIDED_WITH_PRIOR = ("hvd", "hvd-none")
 
 
 def engine_run(method: str, batch: int, dtype: str, prompts: list[tuple[str, list[int]]], max_tokens: int,
@@ -218,13 +224,16 @@ def replay_profiles_file(fitted: CostProfile | None) -> Path:
     return path
 
 
-def replay(trace: Path, policy: str, drafter: str, profile: str, batch: int, profiles: Path) -> dict:
-    """`hvd eval` on one recording: the policy's overall figures."""
+def replay(trace: Path, policy: str, drafter: str, profile: str, batch: int, profiles: Path,
+           decide: str | None) -> dict:
+    """`hvd eval` on one recording: the policy's overall figures, priced with `profile`, decided with
+    `decide` (None: `profile`)."""
     out = trace.with_suffix(f".eval-{drafter}.json")
     env = {**os.environ, "HVD_PROFILES_FILE": str(profiles)}
     subprocess.run([str(Path(sys.executable).parent / "hvd"), "eval", "--traces", str(trace), "--all-sessions",
                     "--cost-profile", profile, "--settings", f"{profile}/b{batch}", "--drafter", drafter,
-                    "--json", str(out)], check=True, env=env, stdout=subprocess.DEVNULL)
+                    "--json", str(out), *(["--decide-profile", decide] if decide else [])],
+                   check=True, env=env, stdout=subprocess.DEVNULL)
     report = json.loads(out.read_text())
     return report["drafters"][drafter]["policies"][policy]["overall"]
 
@@ -277,6 +286,8 @@ def main() -> None:
     parser.add_argument("--profile", help="replay with this stored cost profile (e.g. one `hvd profile` measured) "
                                           "instead of the fit of the bench's own engine steps")
     parser.add_argument("--json", type=Path, help="write every run's raw counts and the replay figures here")
+    parser.add_argument("--runs", type=Path, help="replay again the engine runs a previous --json holds (their "
+                                                  "recordings still in var/agreement/) instead of running the engine")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--record", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -303,9 +314,16 @@ def main() -> None:
           flush=True)
     OUT.mkdir(parents=True, exist_ok=True)
     raw, ok = [], True
+    earlier = json.loads(args.runs.read_text())["runs"] if args.runs else []
     for batch in args.batches:
         runs: dict[str, list[dict]] = {m: [] for m in args.methods}
-        for rep, order in enumerate(rotations(args.methods, args.reps)):
+        for r in earlier:
+            if r.get("batch") == batch and r.get("method") in runs and "rep" in r:
+                runs[r["method"]].append(r)
+                raw.append(r)
+        if args.runs and not all(runs.values()):
+            parser.error(f"--runs {args.runs}: no batch-{batch} runs of {[m for m, rs in runs.items() if not rs]}")
+        for rep, order in enumerate([] if args.runs else rotations(args.methods, args.reps)):
             for m in order:
                 record = OUT / f"{args.dtype}-{m}-b{batch}.jsonl" if rep == 0 else None
                 r = _child(m, batch, args, record)
@@ -320,8 +338,11 @@ def main() -> None:
         replayed = {}
         for m in args.methods:
             policy, drafter = REPLAYED_AS[m]
-            replayed[m] = replay(OUT / f"{args.dtype}-{m}-b{batch}.jsonl", policy, drafter, profile, batch, profiles)
-            raw.append({"batch": batch, "method": m, "replay": replayed[m], "priced_with": profile})
+            decide = PRIOR if m in DECIDED_WITH_PRIOR else None
+            replayed[m] = replay(OUT / f"{args.dtype}-{m}-b{batch}.jsonl", policy, drafter, profile, batch, profiles,
+                                 decide)
+            raw.append({"batch": batch, "method": m, "replay": replayed[m], "priced_with": profile,
+                        "decided_with": decide or profile})
         if fitted is not None:
             raw.append({"batch": batch, "fitted": fitted.description})
         ok &= report(batch, runs, replayed, profile, fitted.description if fitted else "")
