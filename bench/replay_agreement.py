@@ -295,6 +295,9 @@ def main() -> None:
     unknown = [m for m in args.methods if m not in REPLAYED_AS]
     if unknown:
         parser.error(f"--methods: no replay policy for {unknown}; known: {sorted(REPLAYED_AS)}")
+    if not args.profile and all(m in EAGLE_METHODS for m in args.methods):
+        parser.error(f"the cost model is fitted on the steps of methods without the EAGLE3 head: add one of "
+                     f"{sorted(set(REPLAYED_AS) - set(EAGLE_METHODS))} to --methods, or give --profile")
     if args.reps < 1 or args.per_workload < 1 or args.max_tokens < 1 or min(args.batches) < 1:
         parser.error("--reps, --per-workload, --max-tokens and --batches must be >= 1")
     os.environ.setdefault("HVD_DATABASE_URL", f"sqlite:///{ve.REPO_ROOT / 'var' / 'hvd.db'}")

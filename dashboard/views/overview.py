@@ -8,10 +8,10 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
+from controller.settings import SETTINGS, SettingsError, read
 from dashboard.charts import segments, tooltip
 from dashboard.common import (PRICED_BATCH, admin_sidebar, data_as_of, engine_or_stop, fmt, page_scope,
                               read_session, stop_if_empty)
-from controller.settings import SETTINGS, SettingsError, read
 from predictor.decision.profiles import cost_profiles, drafter_profiles
 from predictor.evaluation.baselines import model_alone, no_speculation, path_cost, suffix_alone
 from storage import dashboard_queries as q
