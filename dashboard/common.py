@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -222,8 +223,20 @@ def page_scope(session: Session) -> q.Scope:
     return selection_sidebar(session)
 
 
+# Every ASCII character markdown, its HTML and Streamlit's own directives (:red[...], :emoji:, $math$) act on.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # a line break would end the markdown block the name is in
+_MARKDOWN_SPECIAL = re.compile(r"([\\`*_{}\[\]()#+\-.!|<>~$:&=\"'^])")
+
+
+def plain(text: object) -> str:
+    """A name that clients or operators chose (a tenant, a replica, a service), escaped for the
+    markdown that Streamlit renders in captions, warnings and infos: it shows as written, never as a
+    link, an image, a colour or markup."""
+    return _CONTROL.sub(" ", _MARKDOWN_SPECIAL.sub(r"\\\1", str(text)))
+
+
 def describe(scope: q.Scope) -> str:
-    parts = [f"tenant {scope.tenant}" if scope.tenant else "all tenants",
+    parts = [f"tenant {plain(scope.tenant)}" if scope.tenant else "all tenants",
              f"workload {scope.workload}" if scope.workload else "all workloads",
              f"since {fmt_ts(scope.since)}" if scope.since else "all time"]
     return ", ".join(parts)

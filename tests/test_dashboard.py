@@ -5,11 +5,14 @@ token (and wrong tokens are rate-limited), an empty database gets a helpful mess
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 pytest.importorskip("streamlit")
 from sqlalchemy import func, select  # noqa: E402
@@ -657,3 +660,34 @@ def test_health_says_when_no_step_costs_are_recent(known_db):
     assert not [d for d in at.dataframe if "HVD share (%)" in d.value.columns]
     assert any(c.value.startswith("No engine step costs in the last hour: an engine that times its steps")
                for c in at.caption)
+
+
+# ---------------------------------------------------------------- names clients choose are shown as written
+
+EVIL_TENANT = "[click](http://evil.example) ![x](http://evil.example/x.png) :red[loud] **b** <b>h</b>"
+
+
+def test_a_tenant_name_is_shown_as_written_not_as_markdown(tmp_path, monkeypatch):
+    url = known_database(tmp_path)
+    engine = make_engine(url)
+    with session_scope(engine) as s:
+        s.add(StatBucket(bucket_start=T0, tenant=EVIL_TENANT, workload="chat", predictor_version_id=1,
+                         accepted_hist=[0] * HIST_BINS, tokens=10, cycles=5))
+    engine.dispose()
+    monkeypatch.setenv("HVD_DATABASE_URL", url)
+    at = run(page("overview"))
+    at.selectbox(key="tenant").select(EVIL_TENANT)
+    caption = run(at).caption[0].value
+    assert "Showing tenant \\[click\\]\\(http\\://evil\\.example\\) \\!\\[x\\]" in caption
+    assert "](http" not in caption and "<b>" not in caption and ":red[" not in caption
+
+
+@given(st.text(max_size=60))
+def test_plain_escapes_every_markdown_character_and_keeps_the_text(name):
+    from dashboard.common import _MARKDOWN_SPECIAL, plain
+
+    shown = plain(name)
+    # read back: drop the escaping backslashes; control characters became spaces
+    assert re.sub(r"\\(.)", r"\1", shown) == re.sub(r"[\x00-\x1f\x7f]", " ", name)
+    unescaped = re.sub(r"\\.", "", shown)
+    assert not _MARKDOWN_SPECIAL.search(unescaped)

@@ -196,3 +196,16 @@ def test_the_benchmark_keeps_the_engine_arguments_it_measured_with():
     if kwargs is not None:
         assert (kwargs["max_model_len"], kwargs["max_num_seqs"], kwargs["enable_prefix_caching"],
                 kwargs["enforce_eager"]) == (4096, 8, False, True)
+
+
+def test_the_startup_line_never_shows_the_database_password(hvd_serve, monkeypatch, capsys):
+    monkeypatch.setattr(ve, "CPUINFO", cpuinfo(hvd_serve.models["bf16"].parent, NO_BF16))
+    execs = []
+    monkeypatch.setattr(serve_vllm.os, "execve", lambda path, argv, env: execs.append(env))
+    capsys.readouterr()
+    url = "postgresql+psycopg2://hvd:s3cret-pw@db.example:5432/hvd"
+    serve_vllm.exec_server(serve_vllm.ServeOptions(database_url=url, preload=False))
+    line = capsys.readouterr().out
+    assert "events -> postgresql+psycopg2://hvd:***@db.example:5432/hvd," in line
+    assert "s3cret" not in line
+    assert execs[0]["HVD_DATABASE_URL"] == url  # the server itself still gets the real URL

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from controller.engines import vllm_engine as ve
+from storage.engine import masked_url
 
 # vLLM options HVD sets itself, and what to do instead (the `hvd serve` option that sets each).
 OWNED = {
@@ -199,6 +200,6 @@ def exec_server(opts: ServeOptions) -> None:
     argv, env = command(opts, dtype)
     passed = " ".join(opts.vllm_args)
     print(f"hvd serve: vLLM on http://{opts.host}:{opts.port}/v1 (model {opts.served_model_name}, dtype {dtype}: "
-          f"{why}; fallback {opts.fallback}, events -> {env['HVD_DATABASE_URL']}, "
+          f"{why}; fallback {opts.fallback}, events -> {masked_url(env['HVD_DATABASE_URL'])}, "
           f"LD_PRELOAD {env.get('LD_PRELOAD') or 'none'}; vLLM arguments after `--`: {passed or 'none'})", flush=True)
     os.execve(argv[0], argv, env)

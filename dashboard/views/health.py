@@ -10,7 +10,7 @@ import streamlit as st
 
 from dashboard.charts import segments, tooltip
 from dashboard.common import (admin_sidebar, data_as_of, engine_or_stop, fmt, fmt_age, fmt_bytes, fmt_ts,
-                              read_session, stop_if_empty)
+                              plain, read_session, stop_if_empty)
 from storage import dashboard_queries as q
 
 STATE_MARK = {"ok": "ok", "stale": "STALE", "down": "DOWN", "shut down": "shut down"}
@@ -88,7 +88,7 @@ else:
                  "good version; overrides and corrections still apply there.")
     for r in h["replicas"]:
         if r["champion_not_loaded"]:
-            st.error(f"Replica {r['replica']} could not load the champion ({r['champion_not_loaded']}); it serves its "
+            st.error(f"Replica {plain(r['replica'])} could not load the champion ({r['champion_not_loaded']}); it serves its "
                      "last good version and still applies overrides.")
     if not (c["stale"] or c["problem"] or any(r["champion_not_loaded"] for r in h["replicas"])):
         st.success(f"Champion v{c['version']}: every decision since {c['since']:%Y-%m-%d %H:%M:%S} UTC came from it.")
@@ -120,19 +120,19 @@ if h["replicas"]:
         if not services:
             continue
         if all(x["state"] == "stopped" for x in services):
-            st.info(f"Replica {rep['replica']}: every service was stopped at its last heartbeat "
+            st.info(f"Replica {plain(rep['replica'])}: every service was stopped at its last heartbeat "
                     f"({rep['updated_at']:%Y-%m-%d %H:%M:%S} UTC): it has shut down or runs without threads.")
         else:
             for x in services:
                 since = f"{x['last_success']:%Y-%m-%d %H:%M:%S} UTC" if x["last_success"] else "never"
                 if x["state"] == "stopped":
-                    st.error(f"Replica {rep['replica']}: service {x['name']} has stopped while the others run "
+                    st.error(f"Replica {plain(rep['replica'])}: service {plain(x['name'])} has stopped while the others run "
                              f"(last success {since}; last error: {x['last_error'] or 'none'}). Restart the replica.")
                 elif x["state"] == "retrying":
-                    st.warning(f"Replica {rep['replica']}: service {x['name']} is retrying with back-off after "
+                    st.warning(f"Replica {plain(rep['replica'])}: service {plain(x['name'])} is retrying with back-off after "
                                f"{x['failing']} consecutive failures (last success {since}; last error: "
                                f"{x['last_error'] or 'none'}).")
-        st.markdown(f"**Replica {rep['replica']}**")
+        st.markdown(f"**Replica {plain(rep['replica'])}**")
         st.dataframe(pd.DataFrame(services)[list(SERVICE_COLUMNS)].rename(columns=SERVICE_COLUMNS),
                      hide_index=True, width="stretch")
     st.caption("Good: every service ok. Retrying means database errors, retried with back-off since the last "
@@ -152,7 +152,7 @@ else:
     steps = pd.DataFrame(costs["minutes"])
     steps["minute"] = pd.to_datetime(steps["minute"], utc=True)
     for replica, rows in steps.groupby("replica", sort=True):
-        st.markdown(f"**Replica {replica}**")
+        st.markdown(f"**Replica {plain(replica)}**")
         long = rows.melt(id_vars=["minute"], value_vars=[f"{p}_p50_ms" for p in STEP_PART_NAMES], var_name="part",
                          value_name="p50_ms")
         long["part"] = long["part"].str.removesuffix("_p50_ms").map(STEP_PART_NAMES)

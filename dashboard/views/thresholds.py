@@ -9,7 +9,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard.charts import segments, tooltip, workload_color
-from dashboard.common import admin_sidebar, data_as_of, engine_or_stop, page_scope, read_session
+from dashboard.common import admin_sidebar, data_as_of, engine_or_stop, page_scope, plain, read_session
 from storage import dashboard_queries as q
 from storage.engine import session_scope
 from storage.models import utcnow
@@ -127,12 +127,12 @@ if st.button("Review change", key="review", disabled=disabled):
             expires_at=now + timedelta(hours=float(hours)) if hours > 0 else None,
             author=admin.name, reason=reason.strip())
         if choice == NEW_TENANT and spec.tenant in tenants:
-            st.info(f"Tenant {spec.tenant!r} is already known; the override applies to it.")
+            st.info(f"Tenant “{plain(spec.tenant)}” is already known; the override applies to it.")
         try:
             with read_session(engine) as s:
                 rows = q.tau_change(s, spec.tenant, WORKLOADS, set_spec=spec, now=now)
         except OverrideError as exc:
-            st.error(f"Override refused, nothing changed: {exc}")
+            st.error(f"Override refused, nothing changed: {plain(exc)}")
         else:
             st.session_state[PENDING] = {"kind": "set", "spec": spec, "rows": rows}
     elif picked is None:
@@ -145,7 +145,7 @@ if st.button("Review change", key="review", disabled=disabled):
 pending = st.session_state.get(PENDING)
 if pending is not None:
     who = pending["spec"].tenant if pending["kind"] == "set" else pending["key"][0]
-    st.warning(f"Confirm: effective tau of tenant {who!r} before and after this change.")
+    st.warning(f"Confirm: effective tau of tenant “{plain(who)}” before and after this change.")
     confirm_rows = pd.DataFrame(pending["rows"])
     confirm_rows["changes"] = confirm_rows["changes"].map({True: "yes", False: ""})
     st.table(confirm_rows.rename(columns={"workload": "Workload", "before": "Effective tau before",
@@ -167,7 +167,7 @@ if pending is not None:
                     n = clear_override(s, tenant_, None if wl == q.TENANT_WIDE else wl, admin.name, pending["reason"])
                     done = f"Cleared {n} override(s) for tenant {tenant_!r} ({wl}) by {admin.name}."
         except OverrideError as exc:
-            st.error(f"Refused, nothing changed: {exc}")
+            st.error(f"Refused, nothing changed: {plain(exc)}")
         else:
             st.session_state.pop(PENDING, None)
             st.session_state[FLASH] = done + " Replicas apply it from their next poll."
