@@ -292,24 +292,46 @@ class EffectiveTau(NamedTuple):
     override_id: int | None = None
 
 
+def row_problem(o: ActiveOverride) -> str | None:
+    """Why a stored override cannot be applied (e.g. a mode written by a newer HVD during a rolling
+    upgrade, or a row edited by hand), else None."""
+    if o.mode not in MODES:
+        return f"mode {o.mode!r:.60} is unknown here (known: {', '.join(MODES)})"
+
+    def finite(v: object) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    if o.mode == "fixed" and not finite(o.tau):
+        return f"mode 'fixed' without a finite tau ({o.tau!r:.40})"
+    if o.mode == "bounds" and not (finite(o.tau_min) and finite(o.tau_max) and o.tau_min <= o.tau_max):
+        return f"mode 'bounds' without finite tau_min <= tau_max ({o.tau_min!r:.40}, {o.tau_max!r:.40})"
+    return None
+
+
 class OverrideSnapshot:
     """Active overrides as plain data, resolved with dict lookups (per request, per decoding step).
 
     If several overrides share a (tenant, workload) key (only possible through a concurrent write
-    race), the newest (highest id) wins.
+    race), the newest (highest id) wins. A row that cannot be applied (`row_problem`) is left out and
+    listed in `unreadable` as (id, why): the others still apply, so one bad row never freezes the
+    control plane.
     """
 
-    __slots__ = ("_by_key", "_fixed")
+    __slots__ = ("_by_key", "_fixed", "unreadable")
 
     def __init__(self, overrides: Iterable[ActiveOverride] = ()) -> None:
         by_key: dict[tuple[str, str | None], ActiveOverride] = {}
+        unreadable: list[tuple[int, str]] = []
         for o in overrides:
-            if o.mode not in MODES:
-                raise OverrideError(f"override #{o.id}: mode {o.mode!r} is unknown")
+            problem = row_problem(o)
+            if problem is not None:
+                unreadable.append((o.id, problem))
+                continue
             key = (o.tenant, o.workload)
             if key not in by_key or by_key[key].id < o.id:
                 by_key[key] = o
         self._by_key = by_key
+        self.unreadable: tuple[tuple[int, str], ...] = tuple(unreadable)
         # Results that do not depend on auto/default tau, built once.
         self._fixed: dict[int, EffectiveTau] = {}
         for (_, workload), o in by_key.items():

@@ -157,3 +157,24 @@ def test_dashboard_queries_mark_the_corrupt_version_and_stale_replicas(world):
         status = q.champion_status(s)
     assert rows[v3].startswith("blob sha256 mismatch") and rows[v1] == rows[v2] == rows[v4] == ""
     assert status["version"] == v1 and status["problem"] is None and status["stale"] == {}
+
+
+def test_an_override_row_this_version_cannot_apply_is_skipped_and_named(world, caplog):
+    engine, _, (v1, *_) = world
+    runtime = Runtime(_gate(0), token_classes(TraceTokenizer()), DecisionConfig(), version_id=v1)
+    poller = ControlPoller(engine, runtime)
+    workloads = ["agentic", "code_edit", "coding", "sql", "chat"]
+    with session_scope(engine) as s:
+        set_override(s, OverrideSpec("acme", None, "off_model", author="ops", reason="test"), workloads)
+        set_override(s, OverrideSpec("beta", None, "fixed", tau=3.0, author="ops", reason="test"), workloads)
+    with engine.begin() as conn:  # as a newer HVD might write it during a rolling upgrade
+        conn.execute(text("UPDATE tau_overrides SET mode = 'sometimes' WHERE tenant = 'beta'"))
+        beta = conn.execute(text("SELECT id FROM tau_overrides WHERE tenant = 'beta'")).scalar_one()
+    with caplog.at_level(logging.ERROR, logger="hvd.controls"):
+        assert poller.poll_once() and poller.poll_once()
+    assert [o.tenant for o in runtime.controls.overrides.overrides] == ["acme"]  # the readable one applies
+    assert poller.unreadable_overrides == ((beta, "mode 'sometimes' is unknown here (known: fixed, bounds, "
+                                                  "off_model, off_cache)"),)
+    said = [r.getMessage() for r in caplog.records if r.name == "hvd.controls"]
+    assert len(said) == 1 and f"override #{beta} cannot be applied" in said[0]  # once, by id
+    assert poller.health().failing == 0

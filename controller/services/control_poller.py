@@ -4,7 +4,9 @@ snapshot; if the database is unreachable the replica keeps deciding with what it
 
 A champion that will not load does not hold back the rest: the replica keeps its last good gate,
 says so once per new failure (log and `champion_problem`), and still applies overrides and
-corrections, which are what an operator reaches for when the model misbehaves."""
+corrections, which are what an operator reaches for when the model misbehaves. Likewise an
+override row this version cannot apply (say, a mode a newer HVD wrote during a rolling upgrade) is
+left out, named by id once (log and `unreadable_overrides`), and every other override applies."""
 from __future__ import annotations
 
 import logging
@@ -40,6 +42,8 @@ class ControlPoller(BackgroundService):
         # "v7: <why>" while the champion cannot be loaded here and the last good gate is served; else None
         self.champion_problem: str | None = None
         self._bad_calibrations: set[tuple[str, str | None]] = set()
+        # (override id, why) of the rows the last poll could not apply
+        self.unreadable_overrides: tuple[tuple[int, str], ...] = ()
 
     def poll_once(self) -> bool:
         """One refresh; False (and the old snapshot kept) if the database could not be read."""
@@ -55,6 +59,7 @@ class ControlPoller(BackgroundService):
         except (SQLAlchemyError, StorageError) as exc:
             self.failed(exc)
             return False
+        self._report_unreadable(overrides.unreadable)
         controls = Controls(corrections=corrections, overrides=overrides,
                             calibrations=self._calibrations(stored_calibrations))
         champion = None
@@ -69,6 +74,14 @@ class ControlPoller(BackgroundService):
                              workload_gates=gates, controls=controls)
         self.succeeded()
         return True
+
+    def _report_unreadable(self, rows: tuple[tuple[int, str], ...]) -> None:
+        told = {i for i, _ in self.unreadable_overrides}
+        for override_id, why in rows:
+            if override_id not in told:
+                log.error("override #%d cannot be applied by this replica and is skipped (the others apply): %s",
+                          override_id, why)
+        self.unreadable_overrides = rows
 
     def _calibrations(self, stored: dict[tuple[str, str | None], dict]) -> dict[tuple[str, str | None], Calibration]:
         """The stored corrections that parse; one that does not is skipped and said once."""
