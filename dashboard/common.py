@@ -29,6 +29,9 @@ DEFAULT_REFRESH_S = 30
 # selection and the admin session survive page changes. A page run on its own renders it itself.
 ENTRY_KEY = "_hvd_entry"
 ALL_TENANTS, ALL_WORKLOADS = "(all tenants)", "(all workloads)"
+# controller.settings' defaults of HVD_COST_PROFILE and HVD_DRAFTER_PROFILE (the dashboard may not import
+# the controller; tests/test_dashboard.py keeps them equal).
+SERVING_COST_PROFILE, SERVING_DRAFTER = "cpu-smollm2", "eagle3-smollm2"
 TIME_RANGES: dict[str, timedelta | None] = {
     "all time": None, "last 15 min": timedelta(minutes=15), "last hour": timedelta(hours=1),
     "last 6 hours": timedelta(hours=6), "last 24 hours": timedelta(hours=24), "last 7 days": timedelta(days=7)}
@@ -223,9 +226,11 @@ def page_scope(session: Session) -> q.Scope:
     return selection_sidebar(session)
 
 
-# Every ASCII character markdown, its HTML and Streamlit's own directives (:red[...], :emoji:, $math$) act on.
+# The characters that act inside a line of Streamlit's markdown: emphasis, code, links and images,
+# HTML and entities, strikethrough, math and Streamlit's own directives (:red[...], :emoji:). A name is
+# always shown mid-sentence, so the line-start ones (#, -, +, 1.) cannot act.
+_MARKDOWN_SPECIAL = re.compile(r"([\\`*_\[\]()!<>~$:&])")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # a line break would end the markdown block the name is in
-_MARKDOWN_SPECIAL = re.compile(r"([\\`*_{}\[\]()#+\-.!|<>~$:&=\"'^])")
 
 
 def plain(text: object) -> str:

@@ -2,32 +2,24 @@
 model drafter alone on the same traffic, and where the decode cycles went."""
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import altair as alt
 import pandas as pd
 import streamlit as st
 
-from controller.settings import SETTINGS, SettingsError, read
 from dashboard.charts import segments, tooltip
-from dashboard.common import (PRICED_BATCH, admin_sidebar, data_as_of, engine_or_stop, fmt, page_scope,
-                              read_session, stop_if_empty)
+from dashboard.common import (PRICED_BATCH, SERVING_COST_PROFILE, SERVING_DRAFTER, admin_sidebar, data_as_of,
+                              engine_or_stop, fmt, page_scope, read_session, stop_if_empty)
 from predictor.decision.profiles import cost_profiles, drafter_profiles
 from predictor.evaluation.baselines import model_alone, no_speculation, path_cost, suffix_alone
 from storage import dashboard_queries as q
 
+# What the serving replicas price with: what is set, else their defaults.
+DEFAULT_COST_PROFILE = os.environ.get("HVD_COST_PROFILE") or SERVING_COST_PROFILE
+DEFAULT_DRAFTER = os.environ.get("HVD_DRAFTER_PROFILE") or SERVING_DRAFTER
 BUCKET = timedelta(minutes=1)
-
-
-def serving_setting(name: str) -> str:
-    """What the serving replicas price with (controller.settings: set, else the default); a value
-    they would refuse is said here and the default shown instead."""
-    try:
-        return read(name)
-    except SettingsError as exc:
-        st.warning(f"{exc}; showing the default, {SETTINGS[name].default}.")
-        return SETTINGS[name].default
-
 
 st.title("Overview")
 admin_sidebar()
@@ -44,13 +36,18 @@ data_as_of(scope)
 profiles, drafters = cost_profiles(), drafter_profiles()
 c = st.columns(3)
 names = sorted(profiles)
-default_cost, default_drafter = serving_setting("HVD_COST_PROFILE"), serving_setting("HVD_DRAFTER_PROFILE")
-profile = profiles[c[0].selectbox("Cost profile", names, index=names.index(default_cost), key="cost_profile",
+if DEFAULT_COST_PROFILE not in profiles:
+    st.warning(f"HVD_COST_PROFILE={DEFAULT_COST_PROFILE!r} is not a cost profile ({', '.join(names)}); showing "
+               f"{SERVING_COST_PROFILE}, the serving default.")
+if DEFAULT_DRAFTER not in drafters:
+    st.warning(f"HVD_DRAFTER_PROFILE={DEFAULT_DRAFTER!r} is not a drafter profile; using {SERVING_DRAFTER}.")
+shown = DEFAULT_COST_PROFILE if DEFAULT_COST_PROFILE in profiles else SERVING_COST_PROFILE
+profile = profiles[c[0].selectbox("Cost profile", names, index=names.index(shown), key="cost_profile",
                                   help="How one engine step is priced (predictor/decision/profiles.toml); the serving default "
                                        "is HVD_COST_PROFILE.")]
 batch = int(c[1].number_input("Batch size priced", min_value=1, max_value=512, value=PRICED_BATCH, key="cost_batch",
                               help="Running requests per step: each request pays its share of the step."))
-drafter = drafters[default_drafter]
+drafter = drafters.get(DEFAULT_DRAFTER, drafters[SERVING_DRAFTER])
 c[2].caption(f"Cost profile **{profile.name}** at batch {batch}: {profile.description.split('. ')[0].rstrip('.')}.")
 
 served = path_cost("HVD as served", profile, batch, counts.tokens, counts.cycles, counts.draft_tokens,

@@ -127,7 +127,7 @@ if st.button("Review change", key="review", disabled=disabled):
             expires_at=now + timedelta(hours=float(hours)) if hours > 0 else None,
             author=admin.name, reason=reason.strip())
         if choice == NEW_TENANT and spec.tenant in tenants:
-            st.info(f"Tenant “{plain(spec.tenant)}” is already known; the override applies to it.")
+            st.info(f"Tenant '{plain(spec.tenant)}' is already known; the override applies to it.")
         try:
             with read_session(engine) as s:
                 rows = q.tau_change(s, spec.tenant, WORKLOADS, set_spec=spec, now=now)
@@ -145,7 +145,7 @@ if st.button("Review change", key="review", disabled=disabled):
 pending = st.session_state.get(PENDING)
 if pending is not None:
     who = pending["spec"].tenant if pending["kind"] == "set" else pending["key"][0]
-    st.warning(f"Confirm: effective tau of tenant “{plain(who)}” before and after this change.")
+    st.warning(f"Confirm: effective tau of tenant '{plain(who)}' before and after this change.")
     confirm_rows = pd.DataFrame(pending["rows"])
     confirm_rows["changes"] = confirm_rows["changes"].map({True: "yes", False: ""})
     st.table(confirm_rows.rename(columns={"workload": "Workload", "before": "Effective tau before",
