@@ -34,6 +34,24 @@ class NoOpAliasMove(StorageError, ValueError):
         super().__init__(f"{name} already is v{version_id}; nothing changed")
 
 
+class AliasMovedError(StorageError, ValueError):
+    """The alias no longer names the version the caller read (another operator, the CLI or the
+    learner moved it meanwhile): refused, so no move silently overwrites another."""
+
+    def __init__(self, name: str, expected: int | None, found: int | None) -> None:
+        self.name, self.expected, self.found = name, expected, found
+
+        def shown(v: int | None) -> str:
+            return "no version" if v is None else f"v{v}"
+
+        super().__init__(f"{name} moved meanwhile: it names {shown(found)}, not {shown(expected)} as read; "
+                         "nothing changed (read it again)")
+
+
+# `set_alias(expected=...)` default: move whatever the alias names now (no compare-and-set).
+UNREAD = object()
+
+
 class UnloadableVersionError(StorageError, ValueError):
     """A version whose blob does not load or score; no alias may point at it."""
 
@@ -130,21 +148,25 @@ def create_version(
 
 
 def set_alias(session: Session, name: str, version_id: int, *, reason: str, actor: str,
-              check: BlobCheck | None = None) -> None:
+              check: BlobCheck | None = None, expected: int | None | object = UNREAD) -> None:
     """Point ``name`` at a version and record the move, so promotions are auditable. The blob is
     verified first (its checksum here, loading and scoring through ``check``): an alias at a
     version no replica can load would stop every replica following it. A move to the version the
-    alias already names is refused (NoOpAliasMove)."""
+    alias already names is refused (NoOpAliasMove). With ``expected`` (the version id the caller
+    read, None for no alias yet) the move is a compare-and-set: if the alias names another version
+    now, AliasMovedError and nothing changes."""
+    # Row lock on PostgreSQL so concurrent promotions serialise; no-op on SQLite
+    # (whose writers are already serialised by the database lock).
+    alias = session.get(Alias, name, with_for_update=True, populate_existing=True)
+    previous = alias.version_id if alias is not None else None
+    if expected is not UNREAD and previous != expected:
+        raise AliasMovedError(name, expected, previous)
+    if previous == version_id:
+        raise NoOpAliasMove(name, version_id)
     problem = version_problem(get_version(session, version_id), check)
     if problem is not None:
         raise UnloadableVersionError(version_id, problem)
-    # Row lock on PostgreSQL so concurrent promotions serialise; no-op on SQLite
-    # (whose writers are already serialised by the database lock).
-    alias = session.get(Alias, name, with_for_update=True)
     now = utcnow()
-    previous = alias.version_id if alias is not None else None
-    if previous == version_id:
-        raise NoOpAliasMove(name, version_id)
     if alias is None:
         session.add(Alias(name=name, version_id=version_id, updated_at=now))
     else:

@@ -17,7 +17,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "predictor": ("storage",),
     "controller": ("predictor", "storage"),
     # The dashboard prices traffic with the cost profiles and counterfactuals (pure code), never the controller.
-    "dashboard": ("storage", "predictor.decision.profiles", "predictor.evaluation.baselines"),
+    # It moves the champion only through predictor.gate.registry, which loads and scores the blob.
+    "dashboard": ("storage", "predictor.decision.profiles", "predictor.evaluation.baselines", "predictor.gate.registry"),
     # The EAGLE3 trainer starts vLLM the way the engines do and reads the bundled traces.
     "eagle3_training": ("controller.engines", "predictor", "storage"),
 }

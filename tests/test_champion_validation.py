@@ -20,7 +20,7 @@ from predictor.data.tokens import TraceTokenizer
 from predictor.drafting.features import NUM_FEATURES, schema_hash
 from predictor.drafting.token_classes import token_classes
 from predictor.gate.mlp import MLP, BlobError, GatePredictor
-from predictor.gate.registry import CHAMPION, load_gate, promote, unloadable_reason
+from predictor.gate.registry import CHAMPION, load_gate, promote, promote_for_workload, unloadable_reason
 from storage import dashboard_queries as q
 from storage.engine import make_engine, session_scope
 from storage.migrate import upgrade
@@ -178,3 +178,24 @@ def test_an_override_row_this_version_cannot_apply_is_skipped_and_named(world, c
     said = [r.getMessage() for r in caplog.records if r.name == "hvd.controls"]
     assert len(said) == 1 and f"override #{beta} cannot be applied" in said[0]  # once, by id
     assert poller.health().failing == 0
+
+
+def test_a_move_from_a_stale_read_is_refused_and_changes_nothing(world):
+    from sqlalchemy import func, select
+
+    from storage.models import AliasEvent
+    from storage.versions import AliasMovedError
+
+    engine, _, (v1, v2, *_) = world
+    with session_scope(engine) as s:
+        events = s.scalar(select(func.count()).select_from(AliasEvent))
+        promote(s, v2, reason="read v1, still v1", actor="ops", expected=v1)
+    with pytest.raises(AliasMovedError, match=f"champion moved meanwhile: it names v{v2}, not v{v1} as read"):
+        with session_scope(engine) as s:
+            promote(s, v1, reason="read v1 before the move", actor="ops", expected=v1)
+    with pytest.raises(AliasMovedError, match="names no version, not v7 as read"):
+        with session_scope(engine) as s:
+            promote_for_workload(s, "sql", v1, reason="stale", actor="ops", expected=7)
+    with session_scope(engine) as s:
+        assert get_alias_version(s, CHAMPION).id == v2
+        assert s.scalar(select(func.count()).select_from(AliasEvent)) == events + 1

@@ -701,3 +701,53 @@ def test_plain_escapes_every_markdown_character_and_keeps_the_text(name):
     assert re.sub(r"\\(.)", r"\1", shown) == re.sub(r"[\x00-\x1f\x7f]", " ", name)
     unescaped = re.sub(r"\\.", "", shown)
     assert not _MARKDOWN_SPECIAL.search(unescaped)
+
+
+# ---------------------------------------------------------------- champion moves: checked, compare-and-set
+
+def test_the_dashboard_moves_the_champion_only_to_a_loadable_version_it_was_shown(tmp_path, monkeypatch):
+    import torch
+
+    from predictor.drafting.features import NUM_FEATURES, schema_hash
+    from predictor.gate.mlp import MLP, GatePredictor
+    from predictor.gate.registry import promote
+
+    def stored(s, seed: int, schema: str, parent: int | None = None) -> int:
+        torch.manual_seed(seed)
+        gate = GatePredictor.from_torch(MLP(NUM_FEATURES), schema)
+        return create_version(s, blob=gate.to_bytes(), kind="mlp", feature_schema_hash=schema, metrics={},
+                              training_summary={}, reason="t", created_by="t", parent_id=parent).id
+
+    url = f"sqlite:///{tmp_path / 'moves.db'}"
+    engine = make_engine(url)
+    upgrade(engine)
+    with session_scope(engine) as s:
+        v1 = stored(s, 0, schema_hash())
+        promote(s, v1, reason="init", actor="t")
+        v2 = stored(s, 1, "f" * 64, parent=v1)  # a valid checksum, another feature schema
+        v3 = stored(s, 2, schema_hash(), parent=v1)
+        v4 = stored(s, 3, schema_hash(), parent=v1)
+    monkeypatch.setenv("HVD_DATABASE_URL", url)
+    monkeypatch.setenv("HVD_ADMIN_TOKEN", TOKEN)
+    at = login(page("versions"))
+    at.text_input(key="version_reason").input("try it")
+    at.selectbox(key="promote_version").select(v2)
+    next(b for b in at.button if b.label == "Promote to champion").click()
+    run(at)  # the dashboard loads and scores the blob as the CLI and the learner do
+    assert any(e.value.startswith(f"predictor version v{v2} is unloadable: predictor blob was trained on feature "
+                                  "schema ffffffffffff") for e in at.error), [e.value for e in at.error]
+    with session_scope(engine) as s:  # the learner moves the champion while the page is on screen
+        promote(s, v3, reason="learner", actor="learner@r1")
+    at.selectbox(key="promote_version").select(v4)
+    next(b for b in at.button if b.label == "Promote to champion").click()
+    run(at)
+    assert any(shown_text(e.value).startswith(f"champion moved meanwhile: it names v{v3}, not v{v1} as read; nothing "
+                                              "changed") for e in at.error), [e.value for e in at.error]
+    with session_scope(engine) as s:
+        assert get_alias_version(s, "champion").id == v3
+    at.selectbox(key="promote_version").select(v4)  # now the page shows v3: the move is the operator's to make
+    next(b for b in at.button if b.label == "Promote to champion").click()
+    run(at)
+    with session_scope(engine) as s:
+        assert get_alias_version(s, "champion").id == v4
+    engine.dispose()

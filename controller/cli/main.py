@@ -607,7 +607,8 @@ def _rollback(args: argparse.Namespace, engine) -> int:
         target = args.to if args.to is not None else current.parent_id
         if target is None:
             raise LookupError(f"champion v{current.id} has no parent: give --to VERSION")
-        promote(session, target, reason=f"rollback: {args.reason}", actor=args.author)  # refuses an unloadable blob
+        # refuses an unloadable blob, and a champion someone moved since it was read above
+        promote(session, target, reason=f"rollback: {args.reason}", actor=args.author, expected=current.id)
     print(f"champion: v{current.id} -> v{target}")
     return 0
 

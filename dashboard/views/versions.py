@@ -7,9 +7,9 @@ import streamlit as st
 from dashboard.common import admin_sidebar, data_as_of, engine_or_stop, read_session, stop_if_empty
 from storage import dashboard_queries as q
 from storage.engine import session_scope
-from storage.versions import CHAMPION, NoOpAliasMove, UnloadableVersionError, get_alias_version, set_alias
+from storage.versions import CHAMPION, AliasMovedError, NoOpAliasMove, UnloadableVersionError, get_alias_version
 
-FLASH = "_hvd_versions_flash"
+FLASH, SHOWN = "_hvd_versions_flash", "_hvd_versions_champion_shown"
 DATETIME = st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")
 
 
@@ -34,6 +34,10 @@ with read_session(engine) as s:
     events = q.alias_events(s)
     champ = get_alias_version(s, CHAMPION)
     champ_id, champ_parent = (champ.id, champ.parent_id) if champ is not None else (None, None)
+# A click reruns the page, which reads the champion again: the one the operator saw is the previous
+# run's. A move compares-and-sets against that, so it never lands on a champion moved meanwhile.
+shown_champion = st.session_state.get(SHOWN, champ_id)
+st.session_state[SHOWN] = champ_id
 data_as_of()
 if FLASH in st.session_state:
     st.success(st.session_state.pop(FLASH))
@@ -78,13 +82,16 @@ def move(to_version: int, why: str) -> None:
     elif not reason.strip():
         st.error("A reason is required; nothing changed.")
     else:
+        from predictor.gate.registry import promote as promote_champion  # loads and scores the blob (torch)
+
         try:
             with session_scope(engine) as s:
-                set_alias(s, CHAMPION, int(to_version), reason=f"{why}: {reason.strip()}", actor=admin.name)
+                promote_champion(s, int(to_version), reason=f"{why}: {reason.strip()}", actor=admin.name,
+                                 expected=shown_champion)
         except NoOpAliasMove:
             st.error(f"v{to_version} already is the champion; nothing changed.")
             return
-        except UnloadableVersionError as exc:
+        except (UnloadableVersionError, AliasMovedError) as exc:
             st.error(f"{exc}; nothing changed.")
             return
         st.session_state[FLASH] = (f"champion: v{champ_id} -> v{to_version} ({why}, by {admin.name}). Replicas pick "

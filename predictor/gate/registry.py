@@ -10,8 +10,8 @@ from predictor.drafting.features import schema_hash
 from predictor.gate.mlp import DRAFT_LEN_COLUMN, SURVIVAL_K, BlobError, GatePredictor
 from storage.engine import session_scope
 from storage.errors import CorruptBlobError, StorageError
-from storage.versions import (CHAMPION, PredictorVersion, UnloadableVersionError, create_version, get_alias_version,
-                              get_version, set_alias, verify_blob, version_problem)
+from storage.versions import (CHAMPION, UNREAD, PredictorVersion, UnloadableVersionError, create_version,
+                              get_alias_version, get_version, set_alias, verify_blob, version_problem)
 
 
 class NoChampionError(LookupError):
@@ -63,9 +63,13 @@ def unloadable_reason(version: PredictorVersion) -> str | None:
     return version_problem(version, check_blob)
 
 
-def promote(session: Session, version_id: int, *, reason: str, actor: str) -> None:
-    """Make ``version_id`` the champion if its blob loads and scores; UnloadableVersionError if not."""
-    set_alias(session, CHAMPION, version_id, reason=reason, actor=actor, check=check_blob)
+def promote(session: Session, version_id: int, *, reason: str, actor: str,
+            expected: int | None | object = UNREAD) -> None:
+    """Make ``version_id`` the champion if its blob loads and scores (UnloadableVersionError if not)
+    and, given ``expected``, only if the champion still is the version the caller read
+    (AliasMovedError if not). Every champion move goes through here: the dashboard, the CLI, the
+    learner."""
+    set_alias(session, CHAMPION, version_id, reason=reason, actor=actor, check=check_blob, expected=expected)
 
 
 def workload_alias(workload: str) -> str:
@@ -86,9 +90,12 @@ def workload_champions(session: Session) -> dict[str, int]:
     return out
 
 
-def promote_for_workload(session: Session, workload: str, version_id: int, *, reason: str, actor: str) -> None:
-    """Make ``version_id`` the champion of ``workload`` only (its blob must load and score)."""
-    set_alias(session, workload_alias(workload), version_id, reason=reason, actor=actor, check=check_blob)
+def promote_for_workload(session: Session, workload: str, version_id: int, *, reason: str, actor: str,
+                         expected: int | None | object = UNREAD) -> None:
+    """Make ``version_id`` the champion of ``workload`` only (its blob must load and score; given
+    ``expected``, a compare-and-set as `promote`)."""
+    set_alias(session, workload_alias(workload), version_id, reason=reason, actor=actor, check=check_blob,
+              expected=expected)
 
 
 def store_champion(session: Session, gate: GatePredictor, *, reason: str, actor: str) -> int:
