@@ -165,9 +165,10 @@ class DeadLetterEvent(Base):
 
 
 class EventReceipt(Base):
-    """An event writer's last committed chunk, written in that chunk's transaction. When a commit's
-    answer is lost with the connection, the writer looks here before retrying: the chunk is in the
-    database iff this row names it, so nothing is stored twice."""
+    """A writer's last committed chunk (the event writer's, and the statistics and step-cost
+    writers' batches), written in that chunk's transaction. When a commit's answer is lost with the
+    connection, the writer looks here before retrying: the chunk is in the database iff this row
+    names it, so nothing is stored (or, for additive writes, counted) twice."""
 
     __tablename__ = "event_receipts"
 

@@ -177,6 +177,72 @@ def test_a_commit_whose_answer_is_lost_is_not_written_twice(db_url, tmp_path):
     engine.dispose()
 
 
+def test_a_statistics_batch_whose_commit_answer_is_lost_is_added_once(db_url):
+    """The additive upsert went through but the writer heard a failure, twice: the retries ask the
+    batch's receipt and add nothing twice; what arrived meanwhile is written once too."""
+    from sqlalchemy import event, func, select
+    from sqlalchemy.exc import OperationalError
+    from sqlalchemy.orm import Session
+
+    from storage.models import StatBucket
+
+    engine = _migrated(db_url)
+    lost_answers = [1]
+
+    def answer_lost(session) -> None:
+        if session.bind is engine and lost_answers[0] > 0:
+            lost_answers[0] -= 1
+            raise OperationalError("COMMIT", {}, ConnectionError("server closed the connection"))
+
+    writer = StatsWriter(engine)
+    event.listen(Session, "after_commit", answer_lost)
+    try:
+        writer.add([_event(i) for i in range(10)])
+        assert not writer.flush()  # committed, but the answer was lost
+        assert writer.pending_keys() == 1  # in doubt, not forgotten
+        writer.add([_event(i) for i in range(10, 15)])
+        assert writer.flush()  # the receipt says batch 1 is in: only the 5 new events are added ...
+        lost_answers[0] = 1
+        writer.add([_event(i) for i in range(15, 18)])
+        assert not writer.flush()  # ... and the next batch's answer is lost again
+        assert writer.flush() and writer.pending_keys() == 0
+    finally:
+        event.remove(Session, "after_commit", answer_lost)
+    with session_scope(engine) as s:
+        drafts = s.scalar(select(func.sum(StatBucket.cache_drafts)).where(StatBucket.tenant == "tenant-a"))
+    assert drafts == 18  # every event once
+    engine.dispose()
+
+
+def test_a_statistics_batch_that_never_committed_is_written_on_retry(db_url):
+    """The other side of the receipt: a commit that really failed is put back and written later."""
+    from sqlalchemy import event, func, select
+    from sqlalchemy.exc import OperationalError
+    from sqlalchemy.orm import Session
+
+    from storage.models import StatBucket
+
+    engine = _migrated(db_url)
+    failures = [1]
+
+    def refuse(session, *args) -> None:
+        if session.bind is engine and failures[0] > 0:
+            failures[0] -= 1
+            raise OperationalError("INSERT", {}, ConnectionError("server closed the connection"))
+
+    writer = StatsWriter(engine)
+    event.listen(Session, "before_commit", refuse)
+    try:
+        writer.add([_event(i) for i in range(7)])
+        assert not writer.flush()
+        assert writer.flush() and writer.pending_keys() == 0
+    finally:
+        event.remove(Session, "before_commit", refuse)
+    with session_scope(engine) as s:
+        assert s.scalar(select(func.sum(StatBucket.cache_drafts)).where(StatBucket.tenant == "tenant-a")) == 7
+    engine.dispose()
+
+
 def test_dead_letters_go_to_a_file_when_the_table_refuses_them(tmp_path):
     """An unmigrated dead-letter table (here: dropped) does not block the writer: the file takes the rows."""
     engine = _migrated(f"sqlite:///{tmp_path}/h.db")

@@ -3,7 +3,9 @@
 Off the decode path: events are handed over in lists (`add`), aggregated under a lock, and flushed
 every `flush_interval` seconds with one additive upsert (storage.stats.upsert_buckets). If the
 database refuses, the pending deltas are kept (at most `max_pending_keys` keys; beyond that the
-oldest keys are dropped and counted in `dropped_keys`) and retried with exponential backoff.
+oldest keys are dropped and counted in `dropped_keys`) and retried with exponential backoff. A
+batch whose commit went through but whose answer was lost is not added twice: its receipt tells
+(controller.services.batch_writer).
 
 Producers (the event writer, the runtime's step counts) only add; this service alone writes.
 """
@@ -50,8 +52,9 @@ class StatsWriter(BatchWriter):
             self._bound()
 
     def pending_keys(self) -> int:
+        """Keys not yet known to be written: pending, and in a batch whose commit's answer was lost."""
         with self._lock:
-            return len(self._pending)
+            return len(self._pending) + self.in_doubt()
 
     def _bound(self) -> None:
         # dicts keep insertion order: the first keys are the oldest.

@@ -10,9 +10,8 @@ with one additive upsert (storage.step_costs.record_minutes). If the database re
 are kept and retried with exponential backoff. `stop()` closes the open minute too and writes it.
 The table is pruned to its newest `keep_minutes` rows every `prune_every` successful writes.
 
-Like the statistics writer (and unlike the event writer, which keeps receipts), a write whose commit
-went through but whose answer was lost with the connection is retried and so counted twice: rare,
-and step costs are read as trends, not accounts.
+A write whose commit went through but whose answer was lost with the connection is not counted
+twice: the batch's receipt tells (controller.services.batch_writer).
 """
 from __future__ import annotations
 
@@ -59,7 +58,7 @@ class StepCostWriter(BatchWriter):
     def pending_minutes(self) -> int:
         """Closed minutes not yet written (the open one not counted)."""
         with self._lock:
-            return len(self._pending)
+            return len(self._pending) + self.in_doubt()
 
     def _keep(self, summaries: list[MinuteSummary]) -> None:
         for s in summaries:
