@@ -102,7 +102,7 @@ class Admin:
 
 @st.cache_resource
 def token_gate() -> TokenGate:
-    """One per process, shared by every browser session (the process-wide limit on wrong tries)."""
+    """One per process, shared by every browser session (the limits per session and per client address)."""
     return TokenGate()
 
 
@@ -121,7 +121,8 @@ def check_token(typed: str, configured: str) -> Outcome:
         return Outcome(Verdict.OK)
     if state.get("_hvd_token_wrong") == digest:
         return Outcome(Verdict.WRONG)
-    outcome = token_gate().attempt(session, typed, configured)
+    address = st.context.ip_address  # None on localhost (and not a string under AppTest): one shared "unknown"
+    outcome = token_gate().attempt(session, typed, configured, client=address if isinstance(address, str) else "")
     if outcome.verdict is not Verdict.LOCKED:
         state["_hvd_token_ok" if outcome.verdict is Verdict.OK else "_hvd_token_wrong"] = digest
     return outcome

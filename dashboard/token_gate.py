@@ -1,9 +1,12 @@
 """The admin token check with a limit on wrong tries, kept free of Streamlit so it is tested with a fake clock.
 
-A wrong token is counted against the browser session that typed it and against the whole process:
-a person who mistypes is locked out of their own session only, while a script that opens a fresh
-session for every guess trips the process-wide limit. During a lockout no token is compared at all,
-the right one included, so the lockout gives away nothing about a guess.
+A wrong token is counted against the browser session that typed it and against the client address
+it came from: a person who mistypes is locked out of their own session only, while a script that
+opens a fresh session for every guess trips its address's limit. No limit is process-wide, so an
+attacker cannot lock the admin out from another address (behind a proxy that hides the clients'
+addresses, every client shares one, as before). During a lockout no token is compared at all, the
+right one included, so the lockout gives away nothing about a guess. `wrong_total` counts every
+wrong try, for alerting on guessing spread over many addresses.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ class Outcome:
 @dataclass(frozen=True)
 class Limits:
     session_failures: int = 5  # wrong tries per session within `window_s` that lock the session
-    process_failures: int = 20  # wrong tries across all sessions within `window_s` that lock everyone
+    client_failures: int = 20  # wrong tries from one client address, any sessions, that lock that address
     window_s: float = 600.0
     lockout_s: float = 600.0
 
@@ -62,28 +65,34 @@ class TokenGate:
         self.limits = limits
         self._clock = clock
         self._lock = threading.Lock()
-        self._process = _Failures()
         self._sessions: dict[str, _Failures] = {}
+        self._clients: dict[str, _Failures] = {}
+        self.wrong_total = 0
 
-    def attempt(self, session: str, typed: str, configured: str) -> Outcome:
-        """Compare `typed` with `configured` (constant time) unless `session` or the process is locked out."""
+    def attempt(self, session: str, typed: str, configured: str, client: str = "") -> Outcome:
+        """Compare `typed` with `configured` (constant time) unless `session` or its `client` address
+        ("" when unknown) is locked out."""
         with self._lock:
             now = self._clock()
             mine = self._sessions.setdefault(session, _Failures())
-            wait = max(mine.lock_left(now), self._process.lock_left(now))
+            theirs = self._clients.setdefault(client, _Failures())
+            wait = max(mine.lock_left(now), theirs.lock_left(now))
             if wait > 0:
                 return Outcome(Verdict.LOCKED, wait)
             if hmac.compare_digest(typed.encode("utf-8", "surrogatepass"), configured.encode("utf-8", "surrogatepass")):
                 return Outcome(Verdict.OK)
             mine.add(now, self.limits, self.limits.session_failures)
-            self._process.add(now, self.limits, self.limits.process_failures)
-            self._forget_idle(now)
+            theirs.add(now, self.limits, self.limits.client_failures)
+            self.wrong_total += 1
+            for table in (self._sessions, self._clients):
+                self._forget_idle(table, now)
             return Outcome(Verdict.WRONG)
 
-    def _forget_idle(self, now: float) -> None:
-        """Drop sessions with nothing left to remember, so many sessions cannot grow memory for good."""
-        if len(self._sessions) < 1000:
+    def _forget_idle(self, table: dict[str, _Failures], now: float) -> None:
+        """Drop sessions and addresses with nothing left to remember, so many of them cannot grow
+        memory for good."""
+        if len(table) < 1000:
             return
-        for key in [k for k, f in self._sessions.items()
+        for key in [k for k, f in table.items()
                     if f.lock_left(now) == 0 and all(t <= now - self.limits.window_s for t in f.times)]:
-            del self._sessions[key]
+            del table[key]

@@ -402,7 +402,7 @@ class FakeClock:
         return self.now
 
 
-LIMITS = Limits(session_failures=3, process_failures=5, window_s=60.0, lockout_s=300.0)
+LIMITS = Limits(session_failures=3, client_failures=5, window_s=60.0, lockout_s=300.0)
 
 
 def test_gate_locks_a_session_after_its_wrong_tries_and_compares_nothing_meanwhile():
@@ -426,13 +426,19 @@ def test_gate_forgets_wrong_tries_older_than_the_window():
     assert gate.attempt("a", TOKEN, TOKEN) == Outcome(Verdict.OK)
 
 
-def test_gate_locks_every_session_when_guesses_come_from_fresh_sessions():
+def test_gate_locks_an_address_whose_guesses_come_from_fresh_sessions_and_only_that_address():
     clock = FakeClock()
     gate = TokenGate(LIMITS, clock)
-    assert [gate.attempt(f"s{i}", "x", TOKEN).verdict for i in range(5)] == [Verdict.WRONG] * 5
-    assert gate.attempt("new", TOKEN, TOKEN) == Outcome(Verdict.LOCKED, 300.0)
+    attacker, admin = "203.0.113.9", "198.51.100.7"
+    assert [gate.attempt(f"s{i}", "x", TOKEN, attacker).verdict for i in range(5)] == [Verdict.WRONG] * 5
+    assert gate.attempt("new", TOKEN, TOKEN, attacker) == Outcome(Verdict.LOCKED, 300.0)
+    assert gate.attempt("admin", TOKEN, TOKEN, admin) == Outcome(Verdict.OK)  # the attacker cannot lock the admin out
+    # guessing spread over many addresses locks none of them, but every wrong try is counted
+    assert [gate.attempt(f"t{i}", "x", TOKEN, f"192.0.2.{i}").verdict for i in range(50)] == [Verdict.WRONG] * 50
+    assert gate.wrong_total == 55
+    assert gate.attempt("admin-2", TOKEN, TOKEN, admin) == Outcome(Verdict.OK)
     clock.now += 300
-    assert gate.attempt("new", TOKEN, TOKEN) == Outcome(Verdict.OK)
+    assert gate.attempt("new", TOKEN, TOKEN, attacker) == Outcome(Verdict.OK)
 
 
 @pytest.fixture
@@ -460,7 +466,7 @@ def test_wrong_tokens_typed_in_the_sidebar_lock_the_page(db, monkeypatch, small_
     assert all(b.disabled for b in at.button)
     admin = login(page("thresholds"))  # another session with the right token is let in...
     assert not admin.selectbox(key="set_tenant_pick").disabled
-    for guess in ("a", "b"):  # ...and keeps its admission when fresh sessions trip the process-wide limit
+    for guess in ("a", "b"):  # ...and keeps its admission when fresh sessions trip their address's limit
         login(page("thresholds"), token=guess)
     assert any("too many wrong" in i.value for i in login(page("thresholds")).info)
     assert not run(admin).selectbox(key="set_tenant_pick").disabled
