@@ -146,3 +146,24 @@ def test_a_paying_refit_is_served_only_after_a_window_of_later_drafts_confirms_i
     cal.reset()
     assert cal.admit(scope, shift, pays=True) is False  # a new champion: confirmed again from scratch
     assert Calibrator(CalibrationConfig(confirm=False)).admit(scope, shift, pays=True) is True
+
+
+def test_tenant_scopes_are_bounded_and_the_longest_unseen_go_first():
+    cal = Calibrator(CalibrationConfig(every=10_000, max_tenant_scopes=3))
+    draft_len = np.full(20, 8)
+    curves = _curves(20, 0, draft_len)
+    w = np.full(20, WORKLOADS.index("sql"))
+    for name in ("a", "b", "c", "d", "e"):  # a rotating client: one new tenant name per call
+        cal.observe(curves, draft_len, np.full(20, 4), w, np.array([name] * 20, dtype=object), WORKLOADS)
+    assert cal.tenant_scopes() == 3 and cal.evicted == 2
+    assert sorted(k for k in cal._scopes if k[1] is not None) == [("sql", "c"), ("sql", "d"), ("sql", "e")]
+    assert ("sql", None) in cal._scopes  # the workload's own scope is never evicted
+    cal.admit(("sql", "c"), Calibration.identity(), pays=True)  # c on trial ...
+    mixed = np.array(["c"] * 10 + ["f"] * 10, dtype=object)
+    cal.observe(curves, draft_len, np.full(20, 4), w, mixed, WORKLOADS)  # ... and seen again: d goes, not c
+    assert sorted(k[1] for k in cal._scopes if k[1] is not None) == ["c", "e", "f"] and cal.on_trial(("sql", "c"))
+    for name in ("g", "h", "i"):
+        cal.observe(curves, draft_len, np.full(20, 4), w, np.array([name] * 20, dtype=object), WORKLOADS)
+    assert not cal.on_trial(("sql", "c")) and cal.evicted == 6  # evicted with its trial
+    with pytest.raises(ValueError, match="max_tenant_scopes must be >= 1"):
+        Calibrator(CalibrationConfig(max_tenant_scopes=0))

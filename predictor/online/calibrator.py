@@ -166,6 +166,9 @@ class CalibrationConfig:
     # window that shares nine tenths of its drafts with the last refit's, so over a stream a
     # correction now and then pays by luck; the later window is a look it was not chosen on.
     confirm: bool = True
+    # Tenant scopes kept at most (their names come from clients): beyond it the tenant scopes seen
+    # longest ago are forgotten, with their trials and confirmations, and counted (`evicted`).
+    max_tenant_scopes: int = 1000
 
 
 @dataclass
@@ -182,9 +185,14 @@ class Calibrator:
 
     def __init__(self, config: CalibrationConfig | None = None) -> None:
         self.config = config or CalibrationConfig()
+        if self.config.max_tenant_scopes < 1:
+            raise ValueError(f"max_tenant_scopes must be >= 1, got {self.config.max_tenant_scopes}")
         self._scopes: dict[tuple[str, str | None], ScopeFitter] = {}
         self._trials: dict[tuple[str, str | None], _Trial] = {}
         self._confirmed: set[tuple[str, str | None]] = set()
+        self._last_seen: dict[tuple[str, str], int] = {}  # tenant scope -> the observe call that last fed it
+        self._calls = 0
+        self.evicted = 0  # tenant scopes forgotten to stay within max_tenant_scopes
 
     def observe(self, curves: np.ndarray, draft_len: np.ndarray, label: np.ndarray, workload: np.ndarray,
                 tenant: np.ndarray, workloads: tuple[str, ...], decided: np.ndarray | None = None,
@@ -200,17 +208,41 @@ class Calibrator:
         changed: dict[tuple[str, str | None], Calibration] = {}
         if not cfg.enabled:
             return changed
-        keys = [(workloads[w], None) for w in np.unique(workload).tolist()]
-        keys += [(workloads[w], t) for w, t in sorted(set(zip(workload.tolist(), tenant.tolist())))]
+        self._calls += 1
+        # Each draft's rows by scope in one pass (not a mask per tenant: O(drafts), whatever the tenants).
+        rows: dict[tuple[str, str | None], list[int]] = {}
+        for i, (w, t) in enumerate(zip(workload.tolist(), tenant.tolist())):
+            rows.setdefault((workloads[w], None), []).append(i)
+            rows.setdefault((workloads[w], t), []).append(i)
+        keys = sorted((k for k in rows if k[1] is None), key=lambda k: workloads.index(k[0]))
+        keys += sorted((k for k in rows if k[1] is not None), key=lambda k: (workloads.index(k[0]), k[1]))
         for key in keys:
-            w = workloads.index(key[0])
-            sel = (workload == w) if key[1] is None else (workload == w) & (tenant == key[1])
+            sel = np.asarray(rows[key], dtype=np.int64)
             fitter = self._scopes.setdefault(key, ScopeFitter(cfg.window, cfg.prior, cfg.shifts, cfg.scored))
             fitter.add(curves[sel], draft_len[sel], label[sel], decided[sel], request[sel], position[sel])
+            if key[1] is not None:
+                self._last_seen[key] = self._calls
             ready = fitter.events >= cfg.tenant_min_events if key[1] is not None else True
             if ready and fitter.pending >= cfg.every:
                 changed[key] = fitter.fit(None if score is None else score(key[0]))
+        self._bound_tenants()
         return changed
+
+    def _bound_tenants(self) -> None:
+        """Forget the tenant scopes seen longest ago beyond max_tenant_scopes (a scope keeps a window
+        of drafts: tenants named by clients must not grow the learner without bound)."""
+        excess = len(self._last_seen) - self.config.max_tenant_scopes
+        if excess <= 0:
+            return
+        for key in sorted(self._last_seen, key=self._last_seen.__getitem__)[:excess]:
+            del self._last_seen[key]
+            self._scopes.pop(key, None)
+            self._trials.pop(key, None)
+            self._confirmed.discard(key)
+        self.evicted += excess
+
+    def tenant_scopes(self) -> int:
+        return len(self._last_seen)
 
     def admit(self, key: tuple[str, str | None], calibration: Calibration, pays: bool, now: int = 0) -> bool:
         """Whether a refit of scope `key` that `pays` (or not) on its held-back window is served.
@@ -246,6 +278,7 @@ class Calibrator:
         gone = [k for k in self._scopes if workload is None or k[0] == workload]
         for k in gone:
             del self._scopes[k]
+            self._last_seen.pop(k, None)
         for k in [k for k in self._trials if workload is None or k[0] == workload]:
             del self._trials[k]
         self._confirmed = {k for k in self._confirmed if workload is not None and k[0] != workload}
