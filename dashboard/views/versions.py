@@ -91,8 +91,11 @@ def move(to_version: int, why: str) -> None:
         except NoOpAliasMove:
             st.error(f"v{to_version} already is the champion; nothing changed.")
             return
-        except (UnloadableVersionError, AliasMovedError) as exc:
+        except UnloadableVersionError as exc:
             st.error(f"{exc}; nothing changed.")
+            return
+        except AliasMovedError as exc:  # says that nothing changed, and to read it again
+            st.error(str(exc))
             return
         st.session_state[FLASH] = (f"champion: v{champ_id} -> v{to_version} ({why}, by {admin.name}). Replicas pick "
                                    "it up within seconds.")
