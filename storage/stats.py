@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from datetime import datetime, timezone
 from typing import Protocol
 
-from sqlalchemy import literal_column
+from sqlalchemy import delete, literal_column
 from sqlalchemy.orm import Session
 
 from storage.engine import upsert_insert
@@ -28,6 +28,7 @@ HIST_BINS = 25  # accepted_hist labels 0..24 (24 = 24 or more)
 ALL = "*"  # tenant/workload of rows that are not about one tenant (dropped events)
 UNSTORABLE = "(unstorable)"  # tenant/workload of counts whose own name the database cannot hold
 UPSERT_CHUNK = 500  # rows per statement (SQLite's bound-parameter limit)
+KEEP_STAT_DAYS = 30  # the statistics writers prune stat_buckets that started longer ago than this
 
 KEY_COLUMNS = ("bucket_start", "tenant", "workload", "predictor_version_id")
 
@@ -232,6 +233,14 @@ def upsert_buckets(session: Session, deltas: Mapping[BucketKey, BucketDelta]) ->
         set_["accepted_hist"] = hist_sql
         session.execute(stmt.on_conflict_do_update(index_elements=list(KEY_COLUMNS), set_=set_))
     return len(rows)
+
+
+def prune_buckets(session: Session, older_than: datetime) -> int:
+    """Delete the statistics buckets that start before `older_than` (stat_buckets' retention: one
+    row per minute, tenant, workload and version grows without bound otherwise); returns the count."""
+    if older_than.tzinfo is None:
+        raise ValueError(f"older_than {older_than.isoformat()} is naive; a timezone-aware datetime is required")
+    return session.execute(delete(StatBucket).where(StatBucket.bucket_start < older_than)).rowcount or 0
 
 
 def prune_events(session: Session, keep_last: int) -> int:

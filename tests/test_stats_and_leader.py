@@ -558,3 +558,33 @@ def test_kill_9_during_writes_leaves_a_consistent_database(db: Engine, db_url: s
     b = buckets[0]
     assert b.tokens == whole and b.cache_drafts == whole * BATCH and sum(b.accepted_hist) == whole * BATCH
     assert b.tp + b.fp + b.fn + b.tn == whole * BATCH
+
+
+def test_stats_writers_prune_buckets_past_the_retention(db: Engine) -> None:
+    from datetime import datetime, timedelta, timezone
+
+    from storage.stats import prune_buckets
+
+    now = datetime(2026, 3, 1, tzinfo=timezone.utc)
+    old, recent = now - timedelta(days=31), now - timedelta(days=29)
+    with session_scope(db) as s:
+        s.add_all(StatBucket(bucket_start=at, tenant=t, workload="code", predictor_version_id=0,
+                             accepted_hist=[0] * HIST_BINS, tokens=1, cycles=1)
+                  for at, t in ((old, "old"), (recent, "recent")))
+    writer = StatsWriter(db, keep_days=30, prune_every=2, clock=lambda: now)
+    writer.add([ev(at=now.timestamp(), tenant="new")])
+    assert writer.flush()  # the first write prunes
+    with session_scope(db) as s:
+        assert sorted(b.tenant for b in s.query(StatBucket)) == ["new", "recent"]
+    assert writer.pruned == 1
+    writer.clock = lambda: now + timedelta(days=2)  # "recent" is now 31 days old
+    writer.add([ev(at=now.timestamp(), tenant="new")])
+    assert writer.flush()  # one write since the last prune: not yet
+    writer.add([ev(at=now.timestamp(), tenant="new")])
+    assert writer.flush() and writer.pruned == 2
+    with session_scope(db) as s:
+        assert [b.tenant for b in s.query(StatBucket)] == ["new"]
+        with pytest.raises(ValueError, match="naive"):
+            prune_buckets(s, datetime(2026, 1, 1))
+    with pytest.raises(ValueError, match="keep_days must be > 0"):
+        StatsWriter(db, keep_days=0)

@@ -37,6 +37,7 @@ from predictor.online.learner import LearnerConfig
 from storage.engine import session_scope
 from storage.events import record_health
 from storage.leader import make_leader_lock
+from storage.stats import KEEP_STAT_DAYS
 
 _log = logging.getLogger("hvd.services")
 
@@ -71,7 +72,7 @@ class ServiceStack:
         metrics the runtime counts into (none without). `step_costs`: a step-cost writer for the
         engine's step timings, written every `step_cost_interval` seconds under `replica`."""
         version_id, gate = load_gate(engine)
-        stats = StatsWriter(engine, flush_interval=stats_interval)
+        stats = StatsWriter(engine, flush_interval=stats_interval, keep_days=KEEP_STAT_DAYS)
         runtime = Runtime(gate, token_classes, decision, version_id=version_id, suffix=suffix, stats_sink=stats,
                           metrics=metrics)
         writer = EventWriter(engine, runtime.events, stats=stats, keep_events=KEEP_EVENTS, replica=replica)

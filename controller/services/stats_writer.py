@@ -5,30 +5,43 @@ every `flush_interval` seconds with one additive upsert (storage.stats.upsert_bu
 database refuses, the pending deltas are kept (at most `max_pending_keys` keys; beyond that the
 oldest keys are dropped and counted in `dropped_keys`) and retried with exponential backoff. A
 batch whose commit went through but whose answer was lost is not added twice: its receipt tells
-(controller.services.batch_writer).
+(controller.services.batch_writer). Every `prune_every` writes (and at the first) buckets older than
+`keep_days` are deleted (the serving stack sets storage.stats.KEEP_STAT_DAYS, 30): every replica's
+writer prunes, so the retention holds while any runs.
 
 Producers (the event writer, the runtime's step counts) only add; this service alone writes.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from datetime import datetime, timedelta
 
 from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from controller.services.batch_writer import BatchWriter
+from storage.engine import session_scope
+from storage.models import utcnow
 from storage.stats import (BUCKET_SECONDS, BucketDelta, BucketKey, EventLike, add_dropped, add_steps,
-                           aggregate_into, merge_deltas, upsert_buckets)
+                           aggregate_into, merge_deltas, prune_buckets, upsert_buckets)
 
 
 class StatsWriter(BatchWriter):
     name = "hvd-stats-writer"
 
     def __init__(self, engine: Engine, flush_interval: float = 5.0, max_pending_keys: int = 100_000,
-                 bucket_seconds: int = BUCKET_SECONDS, max_backoff: float = 2.0) -> None:
+                 bucket_seconds: int = BUCKET_SECONDS, max_backoff: float = 2.0,
+                 keep_days: float | None = None, prune_every: int = 120,
+                 clock: Callable[[], datetime] = utcnow) -> None:
         if max_pending_keys < 1:
             raise ValueError(f"max_pending_keys must be >= 1, got {max_pending_keys}")
+        if keep_days is not None and not keep_days > 0:
+            raise ValueError(f"keep_days must be > 0 (or None: keep every bucket), got {keep_days}")
         super().__init__(engine, flush_interval, max_backoff)
+        self.keep_days, self.prune_every, self.clock = keep_days, max(1, prune_every), clock
+        self.pruned = 0  # buckets deleted by the retention
+        self._unpruned = prune_every - 1  # the first write prunes: a replica that restarts often still does
         self.max_pending_keys = max_pending_keys
         self.bucket_seconds = bucket_seconds
         self.dropped_keys = 0
@@ -72,3 +85,23 @@ class StatsWriter(BatchWriter):
     def put_back(self, batch: dict[BucketKey, BucketDelta]) -> None:
         self._pending = merge_deltas(batch, self._pending)
         self._bound()
+
+    def after_write(self) -> None:
+        self._unpruned += 1
+        if self.keep_days is not None and self._unpruned >= self.prune_every:
+            self.prune()
+
+    def prune(self) -> int:
+        """Apply stat_buckets' retention (buckets older than keep_days); 0 if disabled or the
+        database refused (tried again after the next prune_every writes)."""
+        self._unpruned = 0
+        if self.keep_days is None:
+            return 0
+        try:
+            with session_scope(self.engine) as session:
+                n = prune_buckets(session, self.clock() - timedelta(days=self.keep_days))
+        except SQLAlchemyError as exc:
+            self.failed(exc)
+            return 0
+        self.pruned += n
+        return n
