@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -145,31 +146,50 @@ def test_a_batch_the_database_refuses_is_bisected_to_the_bad_rows(tmp_path, monk
         next(urls, None)
 
 
-def test_a_commit_whose_answer_is_lost_is_not_written_twice(db_url, tmp_path):
-    """The database commits a chunk but the connection dies before the writer hears so (the proxy
-    outage that once stored 23,000 rows for 22,500 events): the retry skips what is stored."""
+@contextmanager
+def failing_commits(engine, hook: str, times: int):
+    """The next `times` commits on `engine` raise as a dropped connection does: at "after_commit"
+    the database has committed and only the answer is lost; at "before_commit" nothing is stored.
+    Yields the count still to fail (a one-item list: set it to fail more)."""
     from sqlalchemy import event
     from sqlalchemy.exc import OperationalError
     from sqlalchemy.orm import Session
 
-    engine = _migrated(db_url)
-    lost_answers = [2]  # the first two commits succeed in the database and report a failure
+    left = [times]
 
-    def answer_lost(session) -> None:
-        if session.bind is engine and lost_answers[0] > 0:
-            lost_answers[0] -= 1
+    def fail(session, *args) -> None:
+        if session.bind is engine and left[0] > 0:
+            left[0] -= 1
             raise OperationalError("COMMIT", {}, ConnectionError("server closed the connection"))
 
-    event.listen(Session, "after_commit", answer_lost)
+    event.listen(Session, hook, fail)
     try:
+        yield left
+    finally:
+        event.remove(Session, hook, fail)
+
+
+def _cache_drafts(engine) -> int:
+    from sqlalchemy import func, select
+
+    from storage.models import StatBucket
+
+    with session_scope(engine) as s:
+        return s.scalar(select(func.sum(StatBucket.cache_drafts)).where(StatBucket.tenant == "tenant-a"))
+
+
+def test_a_commit_whose_answer_is_lost_is_not_written_twice(db_url, tmp_path):
+    """The database commits a chunk but the connection dies before the writer hears so (the proxy
+    outage that once stored 23,000 rows for 22,500 events): the retry skips what is stored."""
+    engine = _migrated(db_url)
+    # the first two commits succeed in the database and report a failure
+    with failing_commits(engine, "after_commit", 2):
         queue = EventQueue()
         for i in range(30):
             queue.put(_event(i))
         writer = EventWriter(engine, queue, batch_size=10, spill_dir=tmp_path)
         assert not writer.flush() and not writer.flush()  # each time: "the database is down"
         assert writer.flush()
-    finally:
-        event.remove(Session, "after_commit", answer_lost)
     _tally_ok(writer, produced=30, written=30, dropped=0, dead_lettered=0, lost=0)
     with session_scope(engine) as s:
         assert readback.count(s) == 30
@@ -180,23 +200,9 @@ def test_a_commit_whose_answer_is_lost_is_not_written_twice(db_url, tmp_path):
 def test_a_statistics_batch_whose_commit_answer_is_lost_is_added_once(db_url):
     """The additive upsert went through but the writer heard a failure, twice: the retries ask the
     batch's receipt and add nothing twice; what arrived meanwhile is written once too."""
-    from sqlalchemy import event, func, select
-    from sqlalchemy.exc import OperationalError
-    from sqlalchemy.orm import Session
-
-    from storage.models import StatBucket
-
     engine = _migrated(db_url)
-    lost_answers = [1]
-
-    def answer_lost(session) -> None:
-        if session.bind is engine and lost_answers[0] > 0:
-            lost_answers[0] -= 1
-            raise OperationalError("COMMIT", {}, ConnectionError("server closed the connection"))
-
     writer = StatsWriter(engine)
-    event.listen(Session, "after_commit", answer_lost)
-    try:
+    with failing_commits(engine, "after_commit", 1) as lost_answers:
         writer.add([_event(i) for i in range(10)])
         assert not writer.flush()  # committed, but the answer was lost
         assert writer.pending_keys() == 1  # in doubt, not forgotten
@@ -206,40 +212,19 @@ def test_a_statistics_batch_whose_commit_answer_is_lost_is_added_once(db_url):
         writer.add([_event(i) for i in range(15, 18)])
         assert not writer.flush()  # ... and the next batch's answer is lost again
         assert writer.flush() and writer.pending_keys() == 0
-    finally:
-        event.remove(Session, "after_commit", answer_lost)
-    with session_scope(engine) as s:
-        drafts = s.scalar(select(func.sum(StatBucket.cache_drafts)).where(StatBucket.tenant == "tenant-a"))
-    assert drafts == 18  # every event once
+    assert _cache_drafts(engine) == 18  # every event once
     engine.dispose()
 
 
 def test_a_statistics_batch_that_never_committed_is_written_on_retry(db_url):
     """The other side of the receipt: a commit that really failed is put back and written later."""
-    from sqlalchemy import event, func, select
-    from sqlalchemy.exc import OperationalError
-    from sqlalchemy.orm import Session
-
-    from storage.models import StatBucket
-
     engine = _migrated(db_url)
-    failures = [1]
-
-    def refuse(session, *args) -> None:
-        if session.bind is engine and failures[0] > 0:
-            failures[0] -= 1
-            raise OperationalError("INSERT", {}, ConnectionError("server closed the connection"))
-
     writer = StatsWriter(engine)
-    event.listen(Session, "before_commit", refuse)
-    try:
+    with failing_commits(engine, "before_commit", 1):
         writer.add([_event(i) for i in range(7)])
         assert not writer.flush()
         assert writer.flush() and writer.pending_keys() == 0
-    finally:
-        event.remove(Session, "before_commit", refuse)
-    with session_scope(engine) as s:
-        assert s.scalar(select(func.sum(StatBucket.cache_drafts)).where(StatBucket.tenant == "tenant-a")) == 7
+    assert _cache_drafts(engine) == 7
     engine.dispose()
 
 
