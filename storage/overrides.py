@@ -126,6 +126,30 @@ def check_expiry(expires_at: datetime, now: datetime, field: str = "expires_at")
                             f"ahead of now ({now.isoformat()}); an override lasts at most ~10 years")
 
 
+def _check_mode_fields(mode: str, tau: object, tau_min: object, tau_max: object) -> None:
+    """The tau fields a known mode needs and allows (OverrideError naming the first wrong one): for
+    a spec being set, and for a row read back (`row_problem`)."""
+    if mode == "fixed":
+        if tau is None:
+            raise OverrideError("tau is required for mode 'fixed'")
+        _check_tau("tau", tau)
+        if tau_min is not None or tau_max is not None:
+            raise OverrideError("tau_min/tau_max are only for mode 'bounds', not 'fixed'")
+    elif mode == "bounds":
+        if tau_min is None or tau_max is None:
+            raise OverrideError("mode 'bounds' needs both tau_min and tau_max")
+        _check_tau("tau_min", tau_min)
+        _check_tau("tau_max", tau_max)
+        if tau_min > tau_max:
+            raise OverrideError(f"tau_min = {float(tau_min):g} is greater than tau_max = {float(tau_max):g}")
+        if tau is not None:
+            raise OverrideError("tau is not allowed for mode 'bounds' (use tau_min/tau_max)")
+    else:
+        for field, value in (("tau", tau), ("tau_min", tau_min), ("tau_max", tau_max)):
+            if value is not None:
+                raise OverrideError(f"{field} is not allowed for mode {mode!r}: it turns the gate off")
+
+
 def validate_spec(spec: OverrideSpec, known_workloads: Sequence[str], now: datetime) -> OverrideSpec:
     """The spec with tenant, author and reason in canonical form (storage.tenants), or
     :class:`OverrideError` naming the first bad field."""
@@ -137,25 +161,7 @@ def validate_spec(spec: OverrideSpec, known_workloads: Sequence[str], now: datet
         )
     if not isinstance(spec.mode, str) or spec.mode not in MODES:
         raise OverrideError(f"mode {spec.mode!r:.60} is unknown; expected one of {', '.join(MODES)}")
-    if spec.mode == "fixed":
-        if spec.tau is None:
-            raise OverrideError("tau is required for mode 'fixed'")
-        _check_tau("tau", spec.tau)
-        if spec.tau_min is not None or spec.tau_max is not None:
-            raise OverrideError("tau_min/tau_max are only for mode 'bounds', not 'fixed'")
-    elif spec.mode == "bounds":
-        if spec.tau_min is None or spec.tau_max is None:
-            raise OverrideError("mode 'bounds' needs both tau_min and tau_max")
-        _check_tau("tau_min", spec.tau_min)
-        _check_tau("tau_max", spec.tau_max)
-        if spec.tau_min > spec.tau_max:
-            raise OverrideError(f"tau_min = {float(spec.tau_min):g} is greater than tau_max = {float(spec.tau_max):g}")
-        if spec.tau is not None:
-            raise OverrideError("tau is not allowed for mode 'bounds' (use tau_min/tau_max)")
-    else:
-        for field in ("tau", "tau_min", "tau_max"):
-            if getattr(spec, field) is not None:
-                raise OverrideError(f"{field} is not allowed for mode {spec.mode!r}: it turns the gate off")
+    _check_mode_fields(spec.mode, spec.tau, spec.tau_min, spec.tau_max)
     if spec.expires_at is not None:
         check_expiry(spec.expires_at, now)
     return replace(spec, tenant=tenant, author=_name("author", spec.author), reason=_reason("reason", spec.reason))
@@ -297,14 +303,10 @@ def row_problem(o: ActiveOverride) -> str | None:
     upgrade, or a row edited by hand), else None."""
     if o.mode not in MODES:
         return f"mode {o.mode!r:.60} is unknown here (known: {', '.join(MODES)})"
-
-    def finite(v: object) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-    if o.mode == "fixed" and not finite(o.tau):
-        return f"mode 'fixed' without a finite tau ({o.tau!r:.40})"
-    if o.mode == "bounds" and not (finite(o.tau_min) and finite(o.tau_max) and o.tau_min <= o.tau_max):
-        return f"mode 'bounds' without finite tau_min <= tau_max ({o.tau_min!r:.40}, {o.tau_max!r:.40})"
+    try:
+        _check_mode_fields(o.mode, o.tau, o.tau_min, o.tau_max)
+    except OverrideError as exc:
+        return str(exc)
     return None
 
 

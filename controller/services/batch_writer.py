@@ -12,7 +12,8 @@ names that batch: if so the batch is forgotten as written, else it goes back in 
 
 Subclasses say how a batch is written (`write`), how a failed one is put back within their bound
 (`put_back`, under the lock), and optionally what is still open and must be closed before a round
-or a stop (`close_open`, under the lock) and what follows a successful write (`after_write`).
+or a stop (`close_open`, under the lock) and their table's retention (`prune_rows`, applied at the
+first write and every `prune_every` writes after; None: never).
 """
 from __future__ import annotations
 
@@ -30,8 +31,14 @@ from storage.events import chunk_committed, record_receipt
 
 
 class BatchWriter(BackgroundService):
-    def __init__(self, engine: Engine, interval: float, max_backoff: float) -> None:
+    def __init__(self, engine: Engine, interval: float, max_backoff: float, prune_every: int | None = None) -> None:
+        if prune_every is not None and prune_every < 1:
+            raise ValueError(f"prune_every must be >= 1 (or None: no retention), got {prune_every}")
         super().__init__(interval, max_backoff)
+        self.prune_every = prune_every
+        self.pruned = 0  # rows deleted by the retention
+        self._unpruned = 0 if prune_every is None else prune_every - 1  # the first write prunes: a replica
+        # that restarts often still does
         self.engine = engine  # swappable (e.g. after a failover)
         self._pending: dict = {}  # insertion order: oldest first
         self._lock = threading.Lock()  # guards _pending and the subclass's counters
@@ -49,8 +56,29 @@ class BatchWriter(BackgroundService):
     def close_open(self) -> None:
         """Under the lock: move whatever is still open into `self._pending`."""
 
+    def prune_rows(self, session: Session) -> int:
+        """Apply the table's retention in `session`; the rows deleted."""
+        raise NotImplementedError
+
     def after_write(self) -> None:
-        """After a successful write, outside the lock."""
+        self._unpruned += 1
+        if self.prune_every is not None and self._unpruned >= self.prune_every:
+            self.prune()
+
+    def prune(self) -> int:
+        """Apply the retention now; 0 if there is none or the database refused (tried again after
+        the next `prune_every` writes)."""
+        self._unpruned = 0
+        if self.prune_every is None:
+            return 0
+        try:
+            with session_scope(self.engine) as session:
+                n = self.prune_rows(session)
+        except SQLAlchemyError as exc:
+            self.failed(exc)
+            return 0
+        self.pruned += n
+        return n
 
     def flush(self) -> bool:
         """Write everything pending now; False (all of it kept) if the database refused."""

@@ -17,11 +17,9 @@ from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
 
 from sqlalchemy import Engine
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from controller.services.batch_writer import BatchWriter
-from storage.engine import session_scope
 from storage.models import utcnow
 from storage.stats import (BUCKET_SECONDS, BucketDelta, BucketKey, EventLike, add_dropped, add_steps,
                            aggregate_into, merge_deltas, prune_buckets, upsert_buckets)
@@ -38,10 +36,8 @@ class StatsWriter(BatchWriter):
             raise ValueError(f"max_pending_keys must be >= 1, got {max_pending_keys}")
         if keep_days is not None and not keep_days > 0:
             raise ValueError(f"keep_days must be > 0 (or None: keep every bucket), got {keep_days}")
-        super().__init__(engine, flush_interval, max_backoff)
-        self.keep_days, self.prune_every, self.clock = keep_days, max(1, prune_every), clock
-        self.pruned = 0  # buckets deleted by the retention
-        self._unpruned = prune_every - 1  # the first write prunes: a replica that restarts often still does
+        super().__init__(engine, flush_interval, max_backoff, None if keep_days is None else max(1, prune_every))
+        self.keep_days, self.clock = keep_days, clock
         self.max_pending_keys = max_pending_keys
         self.bucket_seconds = bucket_seconds
         self.dropped_keys = 0
@@ -86,22 +82,5 @@ class StatsWriter(BatchWriter):
         self._pending = merge_deltas(batch, self._pending)
         self._bound()
 
-    def after_write(self) -> None:
-        self._unpruned += 1
-        if self.keep_days is not None and self._unpruned >= self.prune_every:
-            self.prune()
-
-    def prune(self) -> int:
-        """Apply stat_buckets' retention (buckets older than keep_days); 0 if disabled or the
-        database refused (tried again after the next prune_every writes)."""
-        self._unpruned = 0
-        if self.keep_days is None:
-            return 0
-        try:
-            with session_scope(self.engine) as session:
-                n = prune_buckets(session, self.clock() - timedelta(days=self.keep_days))
-        except SQLAlchemyError as exc:
-            self.failed(exc)
-            return 0
-        self.pruned += n
-        return n
+    def prune_rows(self, session: Session) -> int:
+        return prune_buckets(session, self.clock() - timedelta(days=self.keep_days))

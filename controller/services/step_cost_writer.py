@@ -8,7 +8,8 @@ and counted in `dropped_minutes`); every `flush_interval` seconds a round closes
 if its time is up (an idle engine sends no later step to close it) and writes every closed minute
 with one additive upsert (storage.step_costs.record_minutes). If the database refuses, the minutes
 are kept and retried with exponential backoff. `stop()` closes the open minute too and writes it.
-The table is pruned to its newest `keep_minutes` rows every `prune_every` successful writes.
+The table is pruned to its newest `keep_minutes` rows at the first write and every `prune_every`
+successful writes after.
 
 A write whose commit went through but whose answer was lost with the connection is not counted
 twice: the batch's receipt tells (controller.services.batch_writer).
@@ -16,12 +17,10 @@ twice: the batch's receipt tells (controller.services.batch_writer).
 from __future__ import annotations
 
 from sqlalchemy import Engine
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from controller.core.step_costs import MAX_SAMPLES, MinuteAggregator, MinuteSummary, StepTiming, merge_summaries
 from controller.services.batch_writer import BatchWriter
-from storage.engine import session_scope
 from storage.step_costs import KEEP_STEP_COST_MINUTES, prune_step_cost_minutes, record_minutes
 
 
@@ -33,17 +32,15 @@ class StepCostWriter(BatchWriter):
                  KEEP_STEP_COST_MINUTES, prune_every: int = 30) -> None:
         if max_pending_minutes < 1:
             raise ValueError(f"max_pending_minutes must be >= 1, got {max_pending_minutes}")
-        super().__init__(engine, flush_interval, max_backoff)
+        super().__init__(engine, flush_interval, max_backoff, None if keep_minutes is None else max(1, prune_every))
         self.replica = replica
         self.max_pending_minutes = max_pending_minutes
         self.keep_minutes = keep_minutes
-        self.prune_every = max(1, prune_every)
         self.steps = 0  # timings added
         self.dropped_minutes = 0
         self.written_minutes = 0  # rows written (a minute written in two pieces counts twice)
         self._aggregator = MinuteAggregator(max_samples)
         self._pending: dict[int, MinuteSummary] = {}  # closed minutes by start; insertion order: oldest first
-        self._unpruned = 0
 
     # --- the engine (any thread) -------------------------------------------------------------------
 
@@ -85,19 +82,5 @@ class StepCostWriter(BatchWriter):
         handlers, and a minute kept open until it ends would be lost with it."""
         self._keep(self._aggregator.drain())
 
-    def after_write(self) -> None:
-        self._unpruned += 1
-        if self.keep_minutes is not None and self._unpruned >= self.prune_every:
-            self.prune()
-
-    def prune(self) -> int:
-        """Apply the retention limit; 0 if disabled or the database refused (tried again later)."""
-        if self.keep_minutes is None:
-            return 0
-        self._unpruned = 0
-        try:
-            with session_scope(self.engine) as session:
-                return prune_step_cost_minutes(session, self.keep_minutes)
-        except SQLAlchemyError as exc:
-            self.failed(exc)
-            return 0
+    def prune_rows(self, session: Session) -> int:
+        return prune_step_cost_minutes(session, self.keep_minutes)
