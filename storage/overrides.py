@@ -127,8 +127,7 @@ def check_expiry(expires_at: datetime, now: datetime, field: str = "expires_at")
 
 
 def _check_mode_fields(mode: str, tau: object, tau_min: object, tau_max: object) -> None:
-    """The tau fields a known mode needs and allows (OverrideError naming the first wrong one): for
-    a spec being set, and for a row read back (`row_problem`)."""
+    """The tau fields a known mode needs and allows (OverrideError naming the first wrong one)."""
     if mode == "fixed":
         if tau is None:
             raise OverrideError("tau is required for mode 'fixed'")
@@ -303,10 +302,16 @@ def row_problem(o: ActiveOverride) -> str | None:
     upgrade, or a row edited by hand), else None."""
     if o.mode not in MODES:
         return f"mode {o.mode!r:.60} is unknown here (known: {', '.join(MODES)})"
-    try:
-        _check_mode_fields(o.mode, o.tau, o.tau_min, o.tau_max)
-    except OverrideError as exc:
-        return str(exc)
+
+    # Only what makes a row unusable: the setter's range limits (_check_mode_fields) are not re-applied
+    # to rows already stored, which the snapshot has always served.
+    def finite(v: object) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    if o.mode == "fixed" and not finite(o.tau):
+        return f"mode 'fixed' without a finite tau ({o.tau!r:.40})"
+    if o.mode == "bounds" and not (finite(o.tau_min) and finite(o.tau_max) and o.tau_min <= o.tau_max):
+        return f"mode 'bounds' without finite tau_min <= tau_max ({o.tau_min!r:.40}, {o.tau_max!r:.40})"
     return None
 
 
