@@ -10,11 +10,11 @@ from sqlalchemy import Engine
 from predictor.drafting.features import schema_hash
 from predictor.evaluation.gate_quality import metrics_by_workload, survival_reliability
 from predictor.gate.mlp import GatePredictor
-from predictor.gate.registry import CHAMPION, version_kind
+from predictor.gate.registry import CHAMPION, move_alias, version_kind
 from predictor.gate.training import LOSS_NAMES, TrainConfig, train_gate
 from predictor.replay.dataset import Dataset
 from storage.engine import session_scope
-from storage.versions import create_version, get_alias_version, set_alias
+from storage.versions import create_version, get_alias_version
 
 Log = Callable[[str], None]
 
@@ -73,7 +73,7 @@ def warmstart(engine: Engine, data: Dataset, config: TrainConfig | None = None, 
         version = create_version(session, blob=blob, kind=version_kind(gate), feature_schema_hash=gate.schema_hash,
                                  metrics=metrics, training_summary=training_summary(data, config, losses[-1]),
                                  reason="warm start from replayed traces", created_by=created_by, parent_id=parent)
-        set_alias(session, CHAMPION, version.id, reason="warm start", actor=created_by)
+        move_alias(session, CHAMPION, version.id, reason="warm start", actor=created_by, expected=parent)
         version_id = version.id
     overall = metrics["test"]["overall"]
     log(f"stored predictor version {version_id} as {CHAMPION} ({gate.kind}): "

@@ -125,6 +125,34 @@ class AliasEvent(Base):
     actor: Mapped[str] = mapped_column(Text, nullable=False)
 
 
+class AliasPin(Base):
+    """An operator's pin: the alias holds this version against the learner until unpinned. One row per
+    pinned alias (deleted on unpin); every pin and unpin is in alias_pin_events."""
+
+    __tablename__ = "alias_pins"
+
+    alias_name: Mapped[str] = mapped_column(String(64), ForeignKey("aliases.name"), primary_key=True)
+    version_id: Mapped[int] = mapped_column(Integer, ForeignKey("predictor_versions.id"), nullable=False)
+    actor: Mapped[str] = mapped_column(Text, nullable=False)
+    reason: Mapped[str] = mapped_column(Text, nullable=False)
+    at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, default=utcnow)
+
+
+class AliasPinEvent(Base):
+    """Append-only audit of pins and unpins (action "pin" or "unpin", the version pinned), beside
+    alias_events, which records the moves themselves."""
+
+    __tablename__ = "alias_pin_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    alias_name: Mapped[str] = mapped_column(String(64), nullable=False, index=True)
+    action: Mapped[str] = mapped_column(String(8), nullable=False)
+    version_id: Mapped[int] = mapped_column(Integer, ForeignKey("predictor_versions.id"), nullable=False)
+    at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, default=utcnow)
+    reason: Mapped[str] = mapped_column(Text, nullable=False)
+    actor: Mapped[str] = mapped_column(Text, nullable=False)
+
+
 class DecisionEvent(Base):
     """One labelled draft: what the gate knew and decided, and what verification (or hindsight)
     showed. The learner trains on these; statistics aggregate them."""

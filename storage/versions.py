@@ -16,8 +16,10 @@ from sqlalchemy.orm import Session
 
 from storage.errors import CorruptBlobError, StorageError
 from storage.models import Alias, AliasEvent, PredictorVersion, utcnow
+from storage.pins import AliasPinnedError, PinError, check_audit, current_pin, record_pin
 
 CHAMPION = "champion"  # the alias of the version the controller serves
+LEARNER_ACTOR = "learner@"  # how the learner's moves are signed: learner@<replica>
 _MAX_HASH_LEN = 64
 
 BlobCheck = Callable[[bytes], None]
@@ -148,41 +150,49 @@ def create_version(
 
 
 def set_alias(session: Session, name: str, version_id: int, *, reason: str, actor: str,
-              check: BlobCheck | None = None, expected: int | None | object = UNREAD) -> None:
+              check: BlobCheck | None = None, expected: int | None | object = UNREAD, pin: bool = False) -> None:
     """Point ``name`` at a version and record the move, so promotions are auditable. The blob is
     verified first (its checksum here, loading and scoring through ``check``): an alias at a
     version no replica can load would stop every replica following it. A move to the version the
     alias already names is refused (NoOpAliasMove). With ``expected`` (the version id the caller
     read, None for no alias yet) the move is a compare-and-set: if the alias names another version
-    now, AliasMovedError and nothing changes."""
-    # Row lock on PostgreSQL so concurrent promotions serialise; no-op on SQLite
+    now, AliasMovedError and nothing changes. A pinned alias (storage.pins) is refused to everyone
+    (AliasPinnedError), checked under the same row lock as the compare-and-set, so a pin committed
+    meanwhile holds; ``pin`` makes this move an operator's pin (moving the alias if it names another
+    version, then holding it there), the one way to move a pinned alias.
+
+    Production code moves aliases only through predictor.gate.registry.move_alias, which passes the
+    load check and the version read (tests/test_architecture.py keeps it so)."""
+    # Row lock on PostgreSQL so concurrent promotions and pins serialise; no-op on SQLite
     # (whose writers are already serialised by the database lock).
     alias = session.get(Alias, name, with_for_update=True, populate_existing=True)
     previous = alias.version_id if alias is not None else None
     if expected is not UNREAD and previous != expected:
         raise AliasMovedError(name, expected, previous)
-    if previous == version_id:
+    held = current_pin(session, name)
+    if pin:
+        check_audit(actor, reason)
+        if held is not None and held.version_id == version_id:
+            raise PinError(f"{name} already is pinned to v{version_id}; nothing changed")
+    elif held is not None:
+        raise AliasPinnedError(name, held)
+    if previous == version_id and not pin:
         raise NoOpAliasMove(name, version_id)
     problem = version_problem(get_version(session, version_id), check)
     if problem is not None:
         raise UnloadableVersionError(version_id, problem)
     now = utcnow()
-    if alias is None:
-        session.add(Alias(name=name, version_id=version_id, updated_at=now))
-    else:
-        alias.version_id = version_id
-        alias.updated_at = now
-    session.add(
-        AliasEvent(
-            alias_name=name,
-            from_version_id=previous,
-            to_version_id=version_id,
-            at=now,
-            reason=reason,
-            actor=actor,
-        )
-    )
-    session.flush()
+    if previous != version_id:
+        if alias is None:
+            session.add(Alias(name=name, version_id=version_id, updated_at=now))
+        else:
+            alias.version_id = version_id
+            alias.updated_at = now
+        session.add(AliasEvent(alias_name=name, from_version_id=previous, to_version_id=version_id, at=now,
+                               reason=f"pin: {reason}" if pin else reason, actor=actor))
+        session.flush()
+    if pin:
+        record_pin(session, name, version_id, actor=actor, reason=reason, now=now)
 
 
 def get_alias_version(session: Session, name: str) -> PredictorVersion | None:
@@ -193,6 +203,24 @@ def get_alias_version(session: Session, name: str) -> PredictorVersion | None:
         .where(Alias.name == name)
     )
     return session.scalars(stmt).one_or_none()
+
+
+def rollback_target(session: Session, name: str) -> tuple[int, AliasEvent]:
+    """Where rolling ``name`` (a workload's champion) back goes: the version it named before the
+    learner's last move of it, and that move. A move that created the alias (the workload followed
+    ``champion`` until then) goes back to the version ``champion`` named at that time, as the
+    learner's own rollback does. LookupError if the learner never moved it."""
+    moves = [e for e in list_alias_events(session, name) if e.actor.startswith(LEARNER_ACTOR)]
+    if not moves:
+        raise LookupError(f"{name} was never moved by the learner: nothing to roll back (give --to VERSION)")
+    last = moves[-1]
+    if last.from_version_id is not None:
+        return last.from_version_id, last
+    before = [e for e in list_alias_events(session, CHAMPION) if e.id < last.id]
+    if not before:
+        raise LookupError(f"{name} had no version before the learner's move #{last.id}, and {CHAMPION} none "
+                          "either: give --to VERSION")
+    return before[-1].to_version_id, last
 
 
 def list_alias_events(session: Session, name: str | None = None) -> list[AliasEvent]:

@@ -25,7 +25,7 @@ from sqlalchemy.exc import IntegrityError
 from storage import CorruptBlobError, StorageError
 from storage.engine import make_engine, session_scope
 from storage.migrate import alembic_config, current_revision, downgrade, upgrade
-from storage.models import Alias, Base, PredictorVersion
+from storage.models import Alias, AliasEvent, Base, PredictorVersion
 from storage.settings import DEFAULT_DATABASE_URL, database_url
 from storage.versions import (
     create_version,
@@ -120,8 +120,12 @@ def test_migrations_keep_a_champion_and_its_history(engine: Engine) -> None:
     upgrade(engine, "0004")
     with session_scope(engine) as s:
         v1, v2 = _new_version(s, blob=b"one"), _new_version(s, blob=b"two")
-        set_alias(s, "champion", v1.id, reason="first", actor="trainer")
-        set_alias(s, "champion", v2.id, reason="second", actor="learner")
+        # rows as 0004's code wrote them (set_alias now also reads alias_pins, from 0015)
+        s.add(Alias(name="champion", version_id=v2.id))
+        s.add_all([AliasEvent(alias_name="champion", from_version_id=None, to_version_id=v1.id, reason="first",
+                              actor="trainer"),
+                   AliasEvent(alias_name="champion", from_version_id=v1.id, to_version_id=v2.id, reason="second",
+                              actor="learner")])
         ids = (v1.id, v2.id)
     for revision in ("head", "0004", "head"):
         (upgrade if revision == "head" else downgrade)(engine, revision)

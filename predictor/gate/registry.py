@@ -1,5 +1,5 @@
-"""Loading a stored predictor version back into the numpy gate, and moving the champion alias
-only to versions that load."""
+"""Loading a stored predictor version back into the numpy gate, and moving the champion aliases
+only to versions that load (move_alias: every move goes through it)."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,7 +11,8 @@ from predictor.gate.mlp import DRAFT_LEN_COLUMN, SURVIVAL_K, BlobError, GatePred
 from storage.engine import session_scope
 from storage.errors import CorruptBlobError, StorageError
 from storage.versions import (CHAMPION, UNREAD, PredictorVersion, UnloadableVersionError, create_version,
-                              get_alias_version, get_version, set_alias, verify_blob, version_problem)
+                              get_alias_version, get_version, rollback_target, set_alias, verify_blob,
+                              version_problem)
 
 
 class NoChampionError(LookupError):
@@ -63,13 +64,23 @@ def unloadable_reason(version: PredictorVersion) -> str | None:
     return version_problem(version, check_blob)
 
 
+def move_alias(session: Session, name: str, version_id: int, *, reason: str, actor: str,
+               expected: int | None | object, pin: bool = False) -> None:
+    """The one way an alias moves, from the dashboard, the CLI or the learner: ``name`` (``champion``
+    or ``champion/<workload>``) is pointed at ``version_id`` only if its blob loads and scores
+    (UnloadableVersionError), only if the alias still names ``expected``, the version the caller read
+    (AliasMovedError; UNREAD: whatever it names), and only if it is not pinned (AliasPinnedError),
+    all in the caller's transaction under one row lock. ``pin``: an operator's pin, which moves the
+    alias if need be and holds it there against the learner until unpinned (storage.pins)."""
+    if name != CHAMPION and not name.startswith(f"{CHAMPION}/"):
+        raise ValueError(f"alias {name!r} is not {CHAMPION} or {CHAMPION}/<workload>")
+    set_alias(session, name, version_id, reason=reason, actor=actor, check=check_blob, expected=expected, pin=pin)
+
+
 def promote(session: Session, version_id: int, *, reason: str, actor: str,
             expected: int | None | object = UNREAD) -> None:
-    """Make ``version_id`` the champion if its blob loads and scores (UnloadableVersionError if not)
-    and, given ``expected``, only if the champion still is the version the caller read
-    (AliasMovedError if not). Every champion move goes through here: the dashboard, the CLI, the
-    learner."""
-    set_alias(session, CHAMPION, version_id, reason=reason, actor=actor, check=check_blob, expected=expected)
+    """Make ``version_id`` the champion (move_alias on ``champion``)."""
+    move_alias(session, CHAMPION, version_id, reason=reason, actor=actor, expected=expected)
 
 
 def workload_alias(workload: str) -> str:
@@ -92,10 +103,42 @@ def workload_champions(session: Session) -> dict[str, int]:
 
 def promote_for_workload(session: Session, workload: str, version_id: int, *, reason: str, actor: str,
                          expected: int | None | object = UNREAD) -> None:
-    """Make ``version_id`` the champion of ``workload`` only (its blob must load and score; given
-    ``expected``, a compare-and-set as `promote`)."""
-    set_alias(session, workload_alias(workload), version_id, reason=reason, actor=actor, check=check_blob,
-              expected=expected)
+    """Make ``version_id`` the champion of ``workload`` only (move_alias on ``champion/<workload>``)."""
+    move_alias(session, workload_alias(workload), version_id, reason=reason, actor=actor, expected=expected)
+
+
+def alias_of(workload: str | None) -> str:
+    """The alias an operator names by workload: its own champion's, or ``champion`` for None. An
+    unknown workload is refused, naming the known ones."""
+    from storage.workloads import WORKLOADS
+
+    if workload is None:
+        return CHAMPION
+    if workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r} (known: {', '.join(WORKLOADS)})")
+    return workload_alias(workload)
+
+
+def rollback_alias(session: Session, name: str, *, reason: str, actor: str, to: int | None = None,
+                   expected: int | None | object = UNREAD) -> tuple[int | None, int]:
+    """Roll ``name`` back (move_alias, so checked, compare-and-set and refused while pinned):
+    ``champion`` to its champion's parent, ``champion/<workload>`` to the version before the
+    learner's last move of it (storage.versions.rollback_target), or either to ``to``. ``expected``:
+    the version the caller showed (default: the one read here). Returns (from, to)."""
+    current = get_alias_version(session, name)
+    current_id = current.id if current is not None else None
+    if to is None:
+        if name == CHAMPION:
+            if current is None:
+                raise LookupError("no champion to roll back: run `hvd warmstart`")
+            if current.parent_id is None:
+                raise LookupError(f"champion v{current.id} has no parent: give --to VERSION")
+            to = current.parent_id
+        else:
+            to, _ = rollback_target(session, name)
+    move_alias(session, name, to, reason=f"rollback: {reason}", actor=actor,
+               expected=current_id if expected is UNREAD else expected)
+    return current_id, to
 
 
 def store_champion(session: Session, gate: GatePredictor, *, reason: str, actor: str) -> int:
@@ -123,6 +166,7 @@ def load_gate(engine: Engine, version_id: int | None = None) -> tuple[int, GateP
         return version.id, gate_from_blob(blob)
 
 
-__all__ = ["CHAMPION", "NoChampionError", "UnloadableVersionError", "load_gate", "promote", "promote_for_workload",
+__all__ = ["CHAMPION", "NoChampionError", "UnloadableVersionError", "alias_of", "load_gate", "move_alias", "promote",
+           "promote_for_workload", "rollback_alias",
            "store_champion", "unloadable_reason", "StorageError", "VERSION_KINDS", "version_kind", "workload_alias",
            "workload_champions"]
