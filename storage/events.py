@@ -133,13 +133,16 @@ def last_event_id(session: Session) -> int:
 
 
 def record_health(session: Session, *, replica: str, queue_depth: int, events_written: int, events_dropped: int,
-                  flush_ms: float, events_dead_lettered: int = 0, services: str | None = None) -> None:
-    """Upsert this replica's heartbeat row (one row per replica, overwritten); `services` is JSON."""
+                  flush_ms: float, events_dead_lettered: int = 0, services: str | None = None,
+                  dead_letters_pruned: int = 0) -> None:
+    """Upsert this replica's heartbeat row (one row per replica, overwritten); `services` is JSON.
+    `dead_letters_pruned`: dead letters its writer deleted to keep the table within KEEP_DEAD_LETTERS."""
     from storage.models import ReplicaHealth, utcnow
 
     session.merge(ReplicaHealth(replica=replica, updated_at=utcnow(), queue_depth=queue_depth,
                                 events_written=events_written, events_dropped=events_dropped, flush_ms=flush_ms,
-                                events_dead_lettered=events_dead_lettered, services=services))
+                                events_dead_lettered=events_dead_lettered, services=services,
+                                dead_letters_pruned=dead_letters_pruned))
 
 
 def replica_health(session: Session) -> list:

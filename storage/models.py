@@ -36,6 +36,12 @@ NAMING_CONVENTION = {
 }
 
 
+# A 64-bit serial id: BIGINT (BIGSERIAL) on PostgreSQL, where a fleet's events pass 2^31 in days; on
+# SQLite an INTEGER PRIMARY KEY is already the 64-bit rowid, and a BIGINT one would stop being its
+# alias and lose autoincrement (migration 0013).
+BigId = BigInteger().with_variant(Integer, "sqlite")
+
+
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -159,7 +165,7 @@ class DecisionEvent(Base):
 
     __tablename__ = "decision_events"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, index=True)
     tenant: Mapped[str] = mapped_column(String(MAX_TENANT_LEN), nullable=False)
     workload: Mapped[str] = mapped_column(String(MAX_WORKLOAD_LEN), nullable=False)
@@ -185,7 +191,7 @@ class DeadLetterEvent(Base):
 
     __tablename__ = "dead_letter_events"
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, default=utcnow)
     replica: Mapped[str | None] = mapped_column(Text, nullable=True)
     reason: Mapped[str] = mapped_column(Text, nullable=False)
@@ -310,7 +316,7 @@ class StatBucket(Base):
     __tablename__ = "stat_buckets"
     __table_args__ = (UniqueConstraint("bucket_start", "tenant", "workload", "predictor_version_id"),)
 
-    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     bucket_start: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, index=True)
     tenant: Mapped[str] = mapped_column(String(MAX_TENANT_LEN), nullable=False)
     workload: Mapped[str] = mapped_column(String(MAX_WORKLOAD_LEN), nullable=False)
@@ -359,9 +365,11 @@ class ReplicaHealth(Base):
     replica: Mapped[str] = mapped_column(Text, primary_key=True)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False)
     queue_depth: Mapped[int] = mapped_column(Integer, nullable=False)
-    events_written: Mapped[int] = mapped_column(Integer, nullable=False)
-    events_dropped: Mapped[int] = mapped_column(Integer, nullable=False)
-    events_dead_lettered: Mapped[int] = mapped_column(Integer, nullable=False, default=0, server_default="0")
+    events_written: Mapped[int] = mapped_column(BigInteger, nullable=False)  # 64-bit: migration 0013
+    events_dropped: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    events_dead_lettered: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")
+    # dead letters this replica's writer deleted to keep the table within storage.events.KEEP_DEAD_LETTERS
+    dead_letters_pruned: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0, server_default="0")
     services: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON: each background service's state
     flush_ms: Mapped[float] = mapped_column(Float, nullable=False)
 
