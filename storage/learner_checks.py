@@ -12,8 +12,10 @@ from storage.models import LearnerCheck
 
 SUBJECTS = ("promotion", "calibration")
 # promotion: won (confirmation pending), confirmed (one more to go), refused, promoted, kept (a
-# probation look passed), rolled back. calibration: on trial, confirmed, refused.
-OUTCOMES = ("won", "confirmed", "refused", "promoted", "kept", "rolled back", "on trial")
+# probation look passed), rolled back; held (the promotion or rollback was due but an operator's pin
+# holds the alias), moved meanwhile (the alias no longer named what the learner read: it follows the
+# database from its next round). calibration: on trial, confirmed, refused.
+OUTCOMES = ("won", "confirmed", "refused", "promoted", "kept", "rolled back", "on trial", "held", "moved meanwhile")
 
 
 def add_learner_check(session: Session, *, at: datetime, workload: str, tenant: str | None, subject: str,

@@ -137,6 +137,12 @@ class WorkloadPromoter:
         win.watch = _Watch(promoted, previous, max(1, self.policy.probation - fresh // holdout),
                            win.seen - fresh % holdout)
 
+    def unwatch(self, w: int) -> None:
+        """Stop watching workload `w`'s promotion: its alias did not move to the challenger (a pin held
+        it, or it was moved meanwhile), or was moved by someone else since, so there is no promotion of
+        this learner's to judge or roll back."""
+        self._windows[w].watch = None
+
     def on_probation(self, fresh: int) -> bool:
         """Whether a promotion with `fresh` drafts of its workload served since is still watched."""
         return fresh < self.policy.probation * self.policy.holdout
