@@ -11,6 +11,10 @@ from sqlalchemy.orm import Session
 from storage.limits import MAX_TENANT_LEN, MAX_WORKLOAD_LEN, text_problem
 from storage.models import DecisionEvent
 
+# The dead-letter table's cap, every replica's letters together: the newest are kept, pruned by each
+# replica's event writer (at its first retention pass and after it sets more aside). A letter is
+# about 1 KB (the event as JSON, its features in hex, the reason): ~100 MB at most.
+KEEP_DEAD_LETTERS = 100_000
 EVENT_COLUMNS = ("at", "tenant", "workload", "request_id", "position", "drafter", "decision", "draft_len",
                  "accepted", "predicted", "tau", "predictor_version_id", "features")
 # String columns and their limits (None: TEXT); the short internal ones are VARCHAR(16).
@@ -99,6 +103,15 @@ def insert_dead_letters(session: Session, letters: Sequence[tuple[dict[str, Any]
             {"at": now, "replica": None if replica is None else _ascii(replica), "reason": _ascii(reason),
              "event": event_json(row)} for row, reason in letters])
     return len(letters)
+
+
+def prune_dead_letters(session: Session, keep_last: int = KEEP_DEAD_LETTERS) -> int:
+    """Delete all but the newest `keep_last` dead letters (every replica's: the table is shared);
+    returns the count deleted."""
+    from storage.models import DeadLetterEvent
+    from storage.retention import keep_newest
+
+    return keep_newest(session, DeadLetterEvent, keep_last)
 
 
 def _ascii(text: str) -> str:

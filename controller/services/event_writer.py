@@ -1,15 +1,26 @@
 """Drains the event queue into SQL in batches (one transaction each), off the decode path.
 
-Nothing is lost without a count. Every round moves everything queued into a bounded buffer (the
+Nothing is lost without a count. Every round moves what is queued into a bounded buffer (the
 queue then has room again; beyond `max_buffered` the oldest are dropped and counted: 500k events,
 ~250 MB at most, hold a 60 s outage at the replay engine's ~7k events/s), and when the
-database answers, the whole buffer is written in `batch_size` chunks before the round ends, so a
-writer catches up right after an outage. A database that is down (a connection error: it says
-nothing about the rows) is retried with back-off capped at `max_backoff`; rows the database can
-never store are set aside in `dead_letter_events` with the reason (or, if that table refuses them
-too, in a JSON-lines file under `spill_dir`) and counted, and the rest of their batch goes on:
-rows storage.events.split_storable already knows to be unstorable are never sent, and a batch that
-still fails with a data error is bisected down to the rows that poison it.
+database answers, a write pass writes what the buffer held when the pass began, in `batch_size`
+chunks (5x bigger while catching up), at most PASS_MAX_CHUNKS of them; the next round follows at
+once while a batch's worth is waiting, so a writer catches up right after an outage, yet under
+sustained overload (events arriving faster than the database takes them) the retention still runs
+on its schedule and `stop()` still ends on time.
+
+A refused write is either an outage or bad rows, by the rules of storage.blame. An outage (the
+database down, or an error every row would get: ids past their type, a sequence at its limit, a
+full disk, a read-only database) is retried with back-off capped at `max_backoff`, the rows kept.
+Rows the database can never store are set aside in `dead_letter_events` with the reason (or, if
+that table refuses them too, in a JSON-lines file under `spill_dir`) and counted, and the rest of
+their batch goes on: rows storage.events.split_storable already knows to be unstorable are never
+sent, and a batch that still fails with a data error about its rows is bisected down to the rows
+that poison it; when the error may be the table's instead (a number out of range, a duplicate id,
+or SQLite's, which name no SQLSTATE), a known-good event is tried first and, refused as well, the
+failure is an outage. The dead-letter table keeps the newest `keep_dead_letters` letters (every
+replica's; storage.events.KEEP_DEAD_LETTERS, 100,000), pruned with the raw sample below;
+`letters_pruned` counts what this writer deleted, and its heartbeat row carries it.
 
 Nothing is stored twice either. A chunk's transaction also records a receipt (the writer's id and
 the sequence number of the chunk's first event, storage.events.record_receipt); when a write fails
@@ -17,13 +28,14 @@ for a reason other than the rows, the database may have committed it and lost on
 before writing again the writer asks whether its receipt names that chunk, and if so forgets it.
 
 `tally()` accounts for every event the runtime produced: written + dropped + dead-lettered + lost
-(still queued or buffered), exactly. The decode path never sees any of this: it only touches the
+(still queued or buffered; after `stop()`, what its drain time did not write), exactly. The decode path never sees any of this: it only touches the
 queue, whose `put` never waits.
 
 With a `stats` writer (controller.services.stats_writer.StatsWriter), every event taken off the
 queue is also aggregated into statistics buckets (before any raw-sample buffering or drop), and the
 queue's drop count is recorded as it grows. With `keep_events`, the raw sample is pruned to the
-newest `keep_events` rows every `prune_every` successful writes, and once more when it stops.
+newest `keep_events` rows every `prune_every` successful write passes, and once more when it stops
+(if its drain time allows).
 """
 from __future__ import annotations
 
@@ -37,21 +49,25 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine
-from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, SQLAlchemyError, StatementError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError, SQLAlchemyError
 
 from controller import settings
 from controller.core.events import EventQueue, LabelledEvent
 from controller.services.lifecycle import BackgroundService, Health, first_line
+from storage.blame import Blame, accepts_known_good_row, blame, sqlstate
 from storage.engine import session_scope
 from storage.events import (
+    KEEP_DEAD_LETTERS,
     chunk_committed,
     event_json,
     insert_dead_letters,
     insert_events,
+    prune_dead_letters,
     record_health,
     record_receipt,
     split_storable,
 )
+from storage.models import DecisionEvent
 from storage.stats import prune_events
 
 if TYPE_CHECKING:
@@ -59,6 +75,7 @@ if TYPE_CHECKING:
 
 DEAD_LETTER_FILE = "dead_letter_events.jsonl"
 HEARTBEAT_S = 10.0  # an idle replica still writes its heartbeat row this often (the Health page ages it)
+PASS_MAX_CHUNKS = 10  # chunks per write pass: under overload, retention and stop() get their turn between passes
 
 
 def default_spill_dir() -> Path:
@@ -66,14 +83,12 @@ def default_spill_dir() -> Path:
     return Path(settings.read("HVD_SPILL_DIR"))
 
 
-def is_data_error(exc: BaseException) -> bool:
-    """True if `exc` is about the rows sent (the same rows will always fail), False if it is about
-    the database (down, locked, timed out, missing table: retry later)."""
-    if isinstance(exc, (DataError, IntegrityError)):
-        return True
-    if isinstance(exc, StatementError) and not isinstance(exc, DBAPIError):
-        return True  # refused while binding parameters, before the database saw them
-    return isinstance(exc, (ValueError, TypeError))  # a driver refusing a value (psycopg2: NUL)
+def known_good_row() -> dict[str, Any]:
+    """A decision event any healthy decision_events table stores: what the writer tries when a
+    refusal may be the table's rather than the rows' (storage.blame, rule 5)."""
+    return LabelledEvent(at=time.time(), tenant="hvd-known-good", workload="chat", request_id="hvd-known-good",
+                         position=0, drafter="cache", decision="none", draft_len=0, accepted=0, predicted=None,
+                         tau=None, predictor_version_id=None, features=None).to_row()
 
 
 @dataclass(frozen=True)
@@ -105,7 +120,10 @@ class EventWriter(BackgroundService):
     def __init__(self, engine: Engine, events: EventQueue, batch_size: int = 2000, flush_interval: float = 0.5,
                  max_buffered: int = 500_000, stats: "StatsWriter | None" = None, keep_events: int | None = None,
                  prune_every: int = 20, replica: str | None = None, max_backoff: float = 1.0,
-                 spill_dir: Path | None = None, services: Callable[[], list[Health]] | None = None) -> None:
+                 spill_dir: Path | None = None, services: Callable[[], list[Health]] | None = None,
+                 keep_dead_letters: int | None = KEEP_DEAD_LETTERS) -> None:
+        if keep_dead_letters is not None and keep_dead_letters < 0:
+            raise ValueError(f"keep_dead_letters must be >= 0 (or None: no limit), got {keep_dead_letters}")
         super().__init__(flush_interval, max_backoff=max_backoff)
         self.engine = engine
         self.replica = replica  # when set, a heartbeat row (queue depth, flush latency) goes with each batch
@@ -125,7 +143,11 @@ class EventWriter(BackgroundService):
         self.keep_events = keep_events
         self.prune_every = max(1, prune_every)
         self.pruned = 0
-        self._unpruned = 0  # successful writes since the last prune
+        self.keep_dead_letters = keep_dead_letters  # the dead-letter table's cap (every replica's letters)
+        self.letters_pruned = 0  # dead letters this writer deleted to keep the table within the cap
+        self._letters_seen: int | None = None  # dead_lettered at the last pruning of the letters (None: never)
+        self._unpruned = 0  # successful write passes since the last prune
+        self._stop_by = float("inf")  # monotonic time after which no chunk starts (set by stop())
         self._dropped_seen = 0  # queue drops already recorded into the stats
         # (sequence number, event): a chunk is named by its first event's number in its receipt
         self._buffer: deque[tuple[int, LabelledEvent]] = deque()
@@ -145,7 +167,7 @@ class EventWriter(BackgroundService):
         if time.monotonic() < self._retry_at:
             return self.interval
         if self._buffer:
-            if not self._write():
+            if self._write(len(self._buffer)) is None:
                 self._retry_at = time.monotonic() + self.retry.failed()
                 return self.interval
             if self._unpruned >= self.prune_every:
@@ -159,30 +181,44 @@ class EventWriter(BackgroundService):
                 self._retry_at = time.monotonic() + self.retry.failed()
                 return self.interval
         self.succeeded()
-        return 0.0 if self.events.depth() >= self.batch_size else self.interval
+        behind = len(self._buffer) + self.events.depth()  # a pass's bound left some: go on at once
+        return 0.0 if behind >= self.batch_size else self.interval
 
     def flush(self) -> bool:
-        """Move everything queued into SQL now; False (kept, bounded) if the database refused."""
+        """Write what is queued and buffered now, pass after pass (what arrives meanwhile waits for
+        the next round); False (kept, bounded) if the database refused. Past stop()'s deadline no
+        chunk starts: the rest stays held (and counted)."""
         with self._round_lock:
             self._drain_queue()
             self._note([])
-            if not self._write():
-                return False
+            left = len(self._buffer)
+            while left > 0 and self._buffer:
+                handled = self._write(left)
+                if handled is None:
+                    return False
+                if handled == 0:  # out of time
+                    break
+                left -= handled
             self.succeeded()
             return True
 
     def stop(self, timeout: float = 30.0, drain_seconds: float = 10.0) -> bool:
-        """Stop the thread, then write what is left, retrying for up to `drain_seconds` (each
-        attempt bounded by the connect and statement timeouts), then apply the retention limit.
-        False if anything is left: `tally().lost` says how much."""
-        deadline = time.monotonic() + drain_seconds
-        ok = super().stop(timeout)
-        while not ok and time.monotonic() < deadline:
-            time.sleep(min(self.retry.failed(), max(0.0, deadline - time.monotonic())))
-            ok = self.flush()
-        if ok and self._unpruned:
-            self.prune()
-        return ok
+        """Stop the thread, then write what is held, retrying a refusing database, until
+        `drain_seconds` from now: no chunk starts later (the thread's pass ends by then too), so it
+        returns within the drain time plus one chunk's commit (each bounded by the connect and
+        statement timeouts); then, if time is left, the retention. False if anything is left
+        unwritten: `tally().lost` counts it (events that came after, with the producer still running, too)."""
+        self._stop_by = time.monotonic() + drain_seconds
+        try:
+            ok = super().stop(timeout)
+            while not ok and time.monotonic() < self._stop_by:
+                time.sleep(min(self.retry.failed(), max(0.0, self._stop_by - time.monotonic())))
+                ok = self.flush()
+            if ok and self._unpruned and time.monotonic() < self._stop_by:
+                self.prune()
+            return ok and not self._buffer and not self.events.depth()
+        finally:
+            self._stop_by = float("inf")
 
     def tally(self) -> Tally:
         return Tally(produced=self.events.queued + self.events.dropped, written=self.written,
@@ -190,9 +226,12 @@ class EventWriter(BackgroundService):
                      lost=len(self._buffer) + self.events.depth())
 
     def _drain_queue(self) -> None:
-        """Everything queued into the buffer, so the queue has room for the decode path."""
-        while got := self.events.get_batch(self.batch_size):
+        """What is queued now into the buffer, so the queue has room for the decode path; not what
+        arrives meanwhile (a producer outpacing the writer would keep it here for ever)."""
+        left = self.events.depth()
+        while left > 0 and (got := self.events.get_batch(min(self.batch_size, left))):
             self._take(got)
+            left -= len(got)
 
     def _take(self, events: list[LabelledEvent]) -> None:
         """Into the statistics, then into the bounded buffer (oldest dropped and counted)."""
@@ -220,10 +259,13 @@ class EventWriter(BackgroundService):
             self._dropped_seen = dropped
 
     def prune(self) -> int:
-        """Apply the retention limit to the raw sample; 0 if disabled or the database refused."""
+        """Apply the retention limits: the raw sample to `keep_events`, and the dead letters to
+        `keep_dead_letters` at the first prune and after this writer dead-lettered more. Returns the
+        events pruned; 0 if disabled or the database refused (tried again at the next prune)."""
+        self._unpruned = 0
+        self._prune_letters()
         if self.keep_events is None:
             return 0
-        self._unpruned = 0
         try:
             with session_scope(self.engine) as session:
                 n = prune_events(session, self.keep_events)
@@ -233,36 +275,57 @@ class EventWriter(BackgroundService):
         self.pruned += n
         return n
 
+    def _prune_letters(self) -> None:
+        """Keep the dead-letter table within its cap; a transaction of its own, so a database
+        without that table (before migration 0006) still prunes the events."""
+        if self.keep_dead_letters is None or self._letters_seen == self.dead_lettered:
+            return
+        seen = self.dead_lettered
+        try:
+            with session_scope(self.engine) as session:
+                n = prune_dead_letters(session, self.keep_dead_letters)
+        except SQLAlchemyError as exc:
+            if not _missing_table(exc):
+                self.failed(exc)
+            return
+        self._letters_seen = seen
+        self.letters_pruned += n
+
     # ---------------------------------------------------------------- writing
-    def _write(self) -> bool:
-        """Write the buffer in chunks; False (the rest kept) if the database is down."""
-        wrote = False
+    def _write(self, limit: int) -> int | None:
+        """One write pass: at most `limit` of the oldest buffered events, in at most PASS_MAX_CHUNKS
+        chunks, none started after stop()'s deadline. Returns how many it wrote or set aside, or None
+        if the database is down or refuses every row (the rest kept, retried later)."""
+        handled = 0
         try:
             self._settle()
         except SQLAlchemyError as exc:
             self.failed(exc)
-            return False
-        while self._buffer:
+            return None
+        for _ in range(PASS_MAX_CHUNKS):
+            if handled >= limit or not self._buffer or time.monotonic() >= self._stop_by:
+                break
             # after an outage, bigger transactions: fewer round trips while catching up
-            n = min(self.batch_size * (5 if len(self._buffer) > 5 * self.batch_size else 1), len(self._buffer))
+            n = min(self.batch_size * (5 if len(self._buffer) > 5 * self.batch_size else 1), len(self._buffer),
+                    limit - handled)
             done: set[int] = set()
             rows = [(i, self._buffer[i][1].to_row()) for i in range(n)]
             start = time.perf_counter()
             try:
                 self._store_chunk(rows, done)
-            except Exception as exc:  # the database is down: keep what is not done, retry later
+            except Exception as exc:  # an outage: keep what is not done, retry later
                 if not isinstance(exc, SQLAlchemyError):
                     raise
                 self.failed(exc)
-                return False
+                return None
             finally:
                 self._forget(n, done)
             self.last_flush_seconds = time.perf_counter() - start
             self.succeeded()  # the database answers again, even if catching up takes a while
-            wrote = True
+            handled += n
             self._drain_queue()  # catching up may take a while: keep the queue from filling
-        self._unpruned += wrote
-        return True
+        self._unpruned += handled > 0
+        return handled
 
     def _settle(self) -> None:
         """Find out whether the chunk in doubt was committed (its receipt is the writer's last) and
@@ -295,8 +358,9 @@ class EventWriter(BackgroundService):
         self._dead_letter([(index[id(row)], row, reason) for row, reason in bad], done)
 
     def _store(self, rows: list[tuple[int, dict]], done: set[int]) -> None:
-        """Insert `rows` in one transaction; on a data error, bisect to the rows that cause it.
-        A database error (not about the rows) propagates: the caller retries later."""
+        """Insert `rows` in one transaction; on an error about the rows, bisect to the rows that
+        cause it. An outage (an error not about the rows, storage.blame) propagates: the caller
+        retries later."""
         if not rows:
             return
         first_seq = self._buffer[rows[0][0]][0]
@@ -306,7 +370,7 @@ class EventWriter(BackgroundService):
                 record_receipt(session, self.writer_id, first_seq, len(rows))
                 self._heartbeat(session, len(rows))
         except Exception as exc:
-            if not is_data_error(exc):
+            if self._blame(exc) is Blame.STORAGE:
                 self._in_doubt = (first_seq, frozenset(self._buffer[i][0] for i, _ in rows))
                 raise
             if len(rows) == 1:
@@ -320,6 +384,15 @@ class EventWriter(BackgroundService):
         done.update(i for i, _ in rows)
         self.written += len(rows)
 
+    def _blame(self, exc: BaseException) -> Blame:
+        """ROWS or STORAGE (storage.blame); an UNSURE error is the rows' only if the table still
+        takes a known-good event (a database gone meanwhile propagates, as an outage)."""
+        verdict = blame(exc)
+        if verdict is Blame.UNSURE:
+            good = accepts_known_good_row(self.engine, DecisionEvent.__table__, known_good_row())
+            verdict = Blame.ROWS if good else Blame.STORAGE
+        return verdict
+
     def _heartbeat(self, session, batch: int) -> None:
         if self.replica is None:
             return
@@ -328,11 +401,12 @@ class EventWriter(BackgroundService):
         record_health(session, replica=self.replica, queue_depth=self.events.depth(),
                       events_written=self.written + batch, events_dropped=self.events.dropped + self.dropped,
                       events_dead_lettered=self.dead_lettered, flush_ms=1000.0 * self.last_flush_seconds,
-                      services=services)
+                      services=services, dead_letters_pruned=self.letters_pruned)
 
     def _dead_letter(self, letters: list[tuple[int, dict, str]], done: set[int]) -> None:
-        """Set rows aside in the dead-letter table, else in the file; a database that is down
-        propagates (the rows stay buffered and are tried again)."""
+        """Set rows aside in the dead-letter table, else (the table refuses them, whatever the reason)
+        in the file; a database that cannot be reached propagates (the rows stay buffered and are
+        tried again)."""
         if not letters:
             return
         pairs = [(row, reason) for _, row, reason in letters]
@@ -340,7 +414,7 @@ class EventWriter(BackgroundService):
             with session_scope(self.engine) as session:
                 insert_dead_letters(session, pairs, self.replica)
         except Exception as exc:
-            if not is_data_error(exc) and not _missing_table(exc):
+            if _unreachable(exc):
                 raise
             self._spill(pairs)
             self.spilled += len(letters)
@@ -353,6 +427,19 @@ class EventWriter(BackgroundService):
             for row, reason in pairs:
                 fh.write(json.dumps({"replica": self.replica, "reason": reason, "event": event_json(row)},
                                     ensure_ascii=True) + "\n")
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """The database could not be asked (connection lost or refused, locked, shutting down), as
+    opposed to a database that answered and refused: rows set aside wait for it in the buffer."""
+    if not isinstance(exc, SQLAlchemyError) or _missing_table(exc):
+        return False  # a driver refusing a value, or no dead-letter table: the file takes the row
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    code = sqlstate(exc)
+    if code is not None:
+        return code[:2] == "08" or code in ("57P01", "57P02", "57P03")  # connection; shutdown, cannot connect now
+    return isinstance(exc, (OperationalError, InterfaceError))  # SQLite locked or unopenable; no SQLSTATE
 
 
 def _missing_table(exc: BaseException) -> bool:

@@ -122,7 +122,7 @@ class ServiceStack:
                 record_health(session, replica=self.writer.replica or "replica-0", queue_depth=tally.lost,
                               events_written=tally.written, events_dropped=tally.dropped,
                               events_dead_lettered=tally.dead_lettered, flush_ms=1000.0 * self.writer.last_flush_seconds,
-                              services=json.dumps(states))
+                              services=json.dumps(states), dead_letters_pruned=self.writer.letters_pruned)
         except SQLAlchemyError:
             pass  # the database is down: the file below has it
         try:
