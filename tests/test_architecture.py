@@ -171,3 +171,31 @@ def test_the_layer_checks_refuse_wrong_way_imports() -> None:
     assert serving_allowed("predictor.decision.allocator", ["allocate"]) and serving_allowed("storage.workloads", [])
     assert not serving_allowed("predictor.online.learner", ["Batch"])
     assert not serving_allowed("predictor.data.traces", ["TraceRecord"])
+
+
+# Alias moves: the one checked, compare-and-set path (issue 28).
+MOVES = {"move_alias", "promote", "promote_for_workload"}  # predictor.gate.registry's moves; each takes `expected`
+THE_MOVE = ("predictor/gate/registry.py", "storage/versions.py")  # where set_alias may be called
+
+
+def alias_calls() -> Iterator[tuple[str, str, ast.Call]]:
+    """(file:line, called name, call) of every call of set_alias or a registry move in the packages."""
+    for package in ALLOWED:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Call):
+                    f = node.func
+                    name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+                    if name == "set_alias" or name in MOVES:
+                        yield f"{path.relative_to(ROOT)}:{node.lineno}", name, node
+
+
+def test_every_alias_move_goes_through_the_checked_compare_and_set() -> None:
+    """No alias moves by set_alias outside the registry (which passes the load check), and every move
+    says which version it read: the dashboard, the CLI and the learner alike."""
+    direct = [where for where, name, _ in alias_calls() if name == "set_alias" and not where.startswith(THE_MOVE)]
+    assert not direct, "set_alias called outside predictor.gate.registry (use move_alias):\n" + "\n".join(direct)
+    unread = [where for where, name, call in alias_calls() if name in MOVES and not where.startswith(THE_MOVE[0])
+              and not any(k.arg == "expected" for k in call.keywords)]
+    assert not unread, "alias moves without expected= (the version read):\n" + "\n".join(unread)
+    assert {name for _, name, _ in alias_calls()} >= {"set_alias", "move_alias"}  # the scan sees them

@@ -757,3 +757,87 @@ def test_the_dashboard_moves_the_champion_only_to_a_loadable_version_it_was_show
     with session_scope(engine) as s:
         assert get_alias_version(s, "champion").id == v4
     engine.dispose()
+
+
+# ---------------------------------------------------------------- champions and pins (both databases)
+
+def test_an_operator_pins_unpins_and_rolls_back_a_workloads_champion(db_url, monkeypatch):
+    """On SQLite and PostgreSQL: a pin through the page moves and holds champion/sql (a blob of
+    another feature schema refused), the learner's move is then refused, a pin from a stale page is
+    refused, unpin lifts it, and Roll back takes sql to the version before the learner's last move;
+    the pin's author and reason shown escaped, every change audited."""
+    import torch
+
+    from predictor.drafting.features import NUM_FEATURES, schema_hash
+    from predictor.gate.mlp import MLP, GatePredictor
+    from predictor.gate.registry import promote, promote_for_workload
+    from storage.models import AliasPinEvent
+    from storage.pins import AliasPinnedError
+
+    def stored(s, seed: int, schema: str, parent: int | None = None) -> int:
+        torch.manual_seed(seed)
+        gate = GatePredictor.from_torch(MLP(NUM_FEATURES), schema)
+        return create_version(s, blob=gate.to_bytes(), kind="mlp", feature_schema_hash=schema, metrics={},
+                              training_summary={}, reason="t", created_by="t", parent_id=parent).id
+
+    engine = make_engine(db_url)
+    upgrade(engine)
+    with session_scope(engine) as s:
+        v1 = stored(s, 0, schema_hash())
+        promote(s, v1, reason="init", actor="t", expected=None)
+        v2 = stored(s, 1, schema_hash(), parent=v1)
+        v3 = stored(s, 2, schema_hash(), parent=v1)
+        v4 = stored(s, 3, "f" * 64, parent=v1)  # a valid checksum, another feature schema
+        promote_for_workload(s, "sql", v2, reason="promotion for sql", actor="learner@r1", expected=None)
+    monkeypatch.setenv("HVD_DATABASE_URL", db_url)
+    monkeypatch.setenv("HVD_ADMIN_TOKEN", TOKEN)
+    at = login(page("versions"), name="ana [x](http://e)")
+    table = next(d.value for d in at.dataframe if "Pinned to" in d.value.columns).set_index("Alias")
+    assert table.loc["champion/sql", "Serving"] == f"v{v2}" and table.loc["champion/chat", "Serving"] == \
+        f"v{v1} (follows champion)"
+    assert table.loc["champion/sql", "Roll back to"] == f"v{v1}" and table.loc["champion/sql", "Pinned to"] == ""
+
+    def click(key: str) -> AppTest:
+        at.button(key=key).click()
+        return run(at)
+
+    at.selectbox(key="pin_alias").select("champion/sql")
+    at.selectbox(key="pin_version").select(v4)
+    at.text_input(key="pin_reason").input("hold **it**")
+    click("pin_button")
+    assert any(shown_text(e.value).startswith(f"predictor version v{v4} is unloadable: predictor blob was trained on "
+                                              "feature schema ffffffffffff") for e in at.error), [e.value for e in at.error]
+    at.selectbox(key="pin_version").select(v3)
+    click("pin_button")
+    assert any(shown_text(x.value).startswith(f"champion/sql pinned to v{v3} by ana [x](http://e).") and
+               "](http" not in x.value for x in at.success), [e.value for e in at.error]
+    table = next(d.value for d in at.dataframe if "Pinned to" in d.value.columns).set_index("Alias")
+    assert (table.loc["champion/sql", "Pinned to"], table.loc["champion/sql", "Why pinned"]) == (f"v{v3}", "hold **it**")
+    with pytest.raises(AliasPinnedError):  # the learner, having read v3, is held
+        with session_scope(engine) as s:
+            promote_for_workload(s, "sql", v2, reason="promotion for sql", actor="learner@r1", expected=v3)
+    click("alias_rollback")  # an operator's rollback of a pinned alias: unpin first
+    assert any(shown_text(e.value).startswith(f"champion/sql is pinned to v{v3} by ana [x](http://e) (hold **it**); "
+                                              "nothing changed") and "](http" not in e.value for e in at.error)
+    with session_scope(engine) as s:  # another operator re-pins meanwhile: this page's unpin is refused
+        from predictor.gate.registry import move_alias
+
+        move_alias(s, "champion/sql", v2, reason="v2 after all", actor="bob", expected=v3, pin=True)
+    click("unpin_button")
+    assert any(shown_text(e.value).startswith(f"champion/sql's pin changed meanwhile: it holds v{v2}, not v{v3} as "
+                                              "read; nothing changed") for e in at.error), [e.value for e in at.error]
+    click("unpin_button")  # now the page has shown bob's pin
+    assert any("champion/sql unpinned" in shown_text(x.value) for x in at.success)
+    click("alias_rollback")
+    assert any(shown_text(x.value).startswith(f"champion/sql: v{v2} -> v{v1} (rollback") for x in at.success)
+    with session_scope(engine) as s:
+        assert get_alias_version(s, "champion/sql").id == v1
+        moves = [(e.alias_name, e.from_version_id, e.to_version_id, e.actor, e.reason)
+                 for e in s.scalars(select(AliasEvent).order_by(AliasEvent.id))][2:]
+        pins = [(e.action, e.version_id, e.actor, e.reason) for e in s.scalars(select(AliasPinEvent).order_by(AliasPinEvent.id))]
+    assert moves == [("champion/sql", v2, v3, "ana [x](http://e)", "pin: hold **it**"),
+                     ("champion/sql", v3, v2, "bob", "pin: v2 after all"),
+                     ("champion/sql", v2, v1, "ana [x](http://e)", "rollback: hold **it**")]
+    assert pins == [("pin", v3, "ana [x](http://e)", "hold **it**"), ("pin", v2, "bob", "v2 after all"),
+                    ("unpin", v2, "ana [x](http://e)", "hold **it**")]
+    engine.dispose()

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from controller.cli import aliases as cli_aliases
 from controller.cli import learn as learn_defaults
 from controller.cli import profile as profile_defaults
 from controller.cli import overrides as cli_overrides
@@ -218,12 +219,7 @@ def _parser() -> _Parser:
     sc.add_argument("--json", type=Path, default=None, help="report file (default var/<scenario>.json)")
     sc.add_argument("--seed", type=int, default=0)
 
-    rb = sub.add_parser("rollback", help="move the champion alias back (to its parent, or --to VERSION)",
-                        description="Point `champion` at the current champion's parent (or the given version). "
-                                    "Running controllers pick it up within seconds; the move is audited.")
-    rb.add_argument("--to", type=int, metavar="VERSION", help="version id to make champion")
-    rb.add_argument("--author", required=True)
-    rb.add_argument("--reason", required=True)
+    cli_aliases.add_parsers(sub)
 
     vs = sub.add_parser("versions", help="list stored predictor versions, their lineage and the promotion log",
                         description="One line per predictor version: id, parent, creation time, metrics, reason; "
@@ -393,6 +389,11 @@ def _versions(args: argparse.Namespace, engine) -> int:
                   f"{quality} schema={v.feature_schema_hash[:12]} by={v.created_by} reason={v.reason!r}"
                   + (f" champion of {', '.join(serves)}" if serves else "")
                   + (f" UNLOADABLE: {cli_overrides.escape(problem)}" if problem else ""))
+        from storage.pins import list_pin_events, list_pins
+
+        for name, pin in list_pins(session).items():  # held against the learner until unpinned
+            print(f"pinned: {name} at v{pin.version_id} by {cli_overrides.escape(pin.actor)} since "
+                  f"{pin.at:%Y-%m-%d %H:%M:%S}: {cli_overrides.escape(pin.reason)}")
         if args.log:
             from storage.learner_checks import list_learner_checks
             from storage.versions import list_alias_events
@@ -402,6 +403,10 @@ def _versions(args: argparse.Namespace, engine) -> int:
                 if e.alias_name == "champion" or e.alias_name.startswith("champion/"):
                     print(f"  {e.at:%Y-%m-%d %H:%M:%S} {e.alias_name} v{e.from_version_id or '-'} -> v{e.to_version_id} "
                           f"by {e.actor}: {e.reason}")
+            print("pins (each held its alias against the learner until unpinned):")
+            for e in list_pin_events(session):
+                print(f"  {e.at:%Y-%m-%d %H:%M:%S} {e.action} {e.alias_name} v{e.version_id} by "
+                      f"{cli_overrides.escape(e.actor)}: {cli_overrides.escape(e.reason)}")
             print("learner checks (wins awaiting confirmation, confirmations, refusals, probation looks, calibration "
                   "trials):")
             for c in reversed(list_learner_checks(session)):
@@ -595,24 +600,6 @@ def _scenario_unseen(args: argparse.Namespace, path: Path) -> int:
     return 0
 
 
-def _rollback(args: argparse.Namespace, engine) -> int:
-    from predictor.gate.registry import CHAMPION, promote
-    from storage.engine import session_scope
-    from storage.versions import get_alias_version
-
-    with session_scope(engine) as session:
-        current = get_alias_version(session, CHAMPION)
-        if current is None:
-            raise LookupError("no champion to roll back: run `hvd warmstart`")
-        target = args.to if args.to is not None else current.parent_id
-        if target is None:
-            raise LookupError(f"champion v{current.id} has no parent: give --to VERSION")
-        # refuses an unloadable blob, and a champion someone moved since it was read above
-        promote(session, target, reason=f"rollback: {args.reason}", actor=args.author, expected=current.id)
-    print(f"champion: v{current.id} -> v{target}")
-    return 0
-
-
 def _profile(args: argparse.Namespace) -> int:
     from controller.cli.profile import ProfileOptions, parse_sizes, run_profile
 
@@ -624,7 +611,7 @@ def _profile(args: argparse.Namespace) -> int:
 
 _WITHOUT_DATABASE = {"profile": _profile}  # commands that neither open nor migrate the database
 _COMMANDS = {"warmstart": _warmstart, "eval": _eval, "serve": _serve, "versions": _versions, "migrate": _migrate,
-             "override": cli_overrides.run, "rollback": _rollback, "scenario": _scenario, "learn": _learn}
+             "override": cli_overrides.run, "scenario": _scenario, "learn": _learn, **cli_aliases.COMMANDS}
 
 if __name__ == "__main__":
     sys.exit(main())

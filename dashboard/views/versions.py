@@ -1,13 +1,16 @@
-"""Versions: lineage, metrics, promotion log; promote and roll back (as `hvd rollback`)."""
+"""Versions: lineage, metrics, promotion log; promote and roll back (as `hvd rollback`); each champion
+alias's pin, pinned, unpinned and rolled back (as `hvd pin`, `hvd unpin`, `hvd rollback --workload`)."""
 from __future__ import annotations
 
 import pandas as pd
 import streamlit as st
 
-from dashboard.common import admin_sidebar, data_as_of, engine_or_stop, read_session, stop_if_empty
+from dashboard.common import admin_sidebar, data_as_of, engine_or_stop, plain, read_session, stop_if_empty
+from dashboard.pins import pins_section
 from storage import dashboard_queries as q
 from storage.engine import session_scope
-from storage.versions import CHAMPION, AliasMovedError, NoOpAliasMove, UnloadableVersionError, get_alias_version
+from storage.versions import (CHAMPION, AliasMovedError, AliasPinnedError, NoOpAliasMove, UnloadableVersionError,
+                              get_alias_version)
 
 FLASH, SHOWN = "_hvd_versions_flash", "_hvd_versions_champion_shown"
 DATETIME = st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")
@@ -97,6 +100,9 @@ def move(to_version: int, why: str) -> None:
         except AliasMovedError as exc:  # says that nothing changed, and to read it again
             st.error(str(exc))
             return
+        except AliasPinnedError as exc:  # names who pinned it and why: operators' text, escaped
+            st.error(plain(str(exc)))
+            return
         st.session_state[FLASH] = (f"champion: v{champ_id} -> v{to_version} ({why}, by {admin.name}). Replicas pick "
                                    "it up within seconds.")
         st.rerun()  # the lineage and the log show the move
@@ -106,6 +112,8 @@ if promote and target is not None:
     move(target, "promote (dashboard)")
 if rollback and champ_parent is not None:
     move(champ_parent, "rollback")
+
+pins_section(engine, admin, ids, DATETIME)
 
 st.subheader("Promotion log (newest first)")
 with read_session(engine) as s:

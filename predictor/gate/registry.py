@@ -146,7 +146,8 @@ def store_champion(session: Session, gate: GatePredictor, *, reason: str, actor:
     version = create_version(session, blob=gate.to_bytes(), kind=version_kind(gate),
                              feature_schema_hash=gate.schema_hash, metrics={}, training_summary={}, reason=reason,
                              created_by=actor)
-    promote(session, version.id, reason=reason, actor=actor)
+    current = get_alias_version(session, CHAMPION)
+    promote(session, version.id, reason=reason, actor=actor, expected=None if current is None else current.id)
     return version.id
 
 
