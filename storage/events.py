@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, insert, select
+from sqlalchemy import func, insert, select, text, true, tuple_
 from sqlalchemy.orm import Session
 
 from storage.limits import MAX_TENANT_LEN, MAX_WORKLOAD_LEN, text_problem
@@ -135,10 +136,39 @@ def list_events(session: Session, limit: int | None = None, **filters: Any) -> l
     return list(session.scalars(stmt))
 
 
-def events_after(session: Session, after_id: int, limit: int) -> list[DecisionEvent]:
-    """The next `limit` events with id > after_id, in id order (the learner's cursor)."""
-    stmt = select(DecisionEvent).where(DecisionEvent.id > after_id).order_by(DecisionEvent.id).limit(limit)
+@dataclass(frozen=True, order=True)
+class EventCursor:
+    """A place in the event log's commit order: (inserting transaction, id). On SQLite every txid
+    is 0 and writers take turns, so it is id order, which there is commit order too."""
+
+    txid: int = 0
+    id: int = 0
+
+
+def _committed_below(dialect: str):
+    """Rows whose transaction is older than every transaction still running (PostgreSQL): they are
+    all committed or gone, so nothing can later appear before them in (txid, id) order."""
+    if dialect == "postgresql":
+        return DecisionEvent.txid < text("pg_snapshot_xmin(pg_current_snapshot())::text::bigint")
+    return true()
+
+
+def events_after(session: Session, after: EventCursor, limit: int) -> list[DecisionEvent]:
+    """The next `limit` settled events after `after`, in (txid, id) order (the learner's cursor):
+    a chunk that commits after a later one was read is still ahead of the cursor when it shows."""
+    stmt = (select(DecisionEvent)
+            .where(tuple_(DecisionEvent.txid, DecisionEvent.id) > tuple_(after.txid, after.id),
+                   _committed_below(session.get_bind().dialect.name))
+            .order_by(DecisionEvent.txid, DecisionEvent.id).limit(limit))
     return list(session.scalars(stmt))
+
+
+def events_end(session: Session) -> EventCursor:
+    """The cursor past every settled event (a learner that starts at the end starts here)."""
+    row = session.execute(select(DecisionEvent.txid, DecisionEvent.id)
+                          .where(_committed_below(session.get_bind().dialect.name))
+                          .order_by(DecisionEvent.txid.desc(), DecisionEvent.id.desc()).limit(1)).first()
+    return EventCursor() if row is None else EventCursor(int(row[0]), int(row[1]))
 
 
 def last_event_id(session: Session) -> int:

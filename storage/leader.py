@@ -1,20 +1,26 @@
-"""Leader election for the learner: exactly one replica sharing a database runs it.
+"""Leader election for the learner, with fencing: exactly one replica sharing a database writes as
+the learner at a time, and a leader that lost its lease cannot write at all.
 
-PostgreSQL: a session-level advisory lock (`pg_try_advisory_lock`) held on a dedicated connection
-kept open for the leader's lifetime (key: a hash of the name and the current schema). The lock dies with the connection, so when the leader process
-dies the server releases it and a follower's next `try_acquire` succeeds: takeover is automatic.
-
-Other databases (SQLite): a row in `leases` (name, holder, expires_at) taken with one atomic
+A row in `leases` (name, holder, expires_at, epoch), on every database. It is taken with one atomic
 ``UPDATE ... WHERE name = :name AND (expires_at < now OR holder = me)`` (``INSERT`` if absent),
-renewed every ttl/3 by a daemon thread, and expiring after `ttl` seconds, so a dead leader is
-replaced at most `ttl` seconds after its last renewal.
+renewed every ttl/3 by a daemon thread, and lapses `ttl` seconds after its last renewal. Time is the
+database's (``clock_timestamp()`` on PostgreSQL; on SQLite, a file on this host, the host's clock),
+so the replicas' clocks do not matter. Each change of hands (or a lapse) starts a new term: `epoch`
+goes up by one.
 
-Followers call `try_acquire()` periodically; the leader checks `is_leader` (or `renew()`) before
-acting on its leadership.
+Fencing: every transaction the leader writes ends with `fence(session)`, an ``UPDATE`` of its own
+lease row that matches only while the row still holds this leader's epoch and has not lapsed. It
+fails the transaction otherwise (LeadershipLost), and while it holds the row lock no one can take
+the lease, so a leader's writes commit inside its own term or not at all. On PostgreSQL the fenced
+transaction also bounds how long it can sit idle (`FENCED_IDLE_S`): the server ends a session that
+went silent (a partitioned leader), which releases the row.
+
+Takeover bound: a follower polling every `interval` seconds leads at most
+ttl + FENCED_IDLE_S + interval after the old leader's last renewal (10 + 5 + 0.5 s by default), and
+at once after a clean `release()`.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 import threading
@@ -22,28 +28,34 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
-from sqlalchemy import Connection, Engine, insert, text, update
+from sqlalchemy import Engine, case, func, insert, select, text, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.orm import Session
 
 from storage.engine import session_scope
 from storage.models import Lease, utcnow
+
+# How long a fenced transaction may sit idle on PostgreSQL before the server ends its session: a
+# leader cut off mid-transaction holds its lease row (and so the takeover) at most this long.
+FENCED_IDLE_S = 5.0
+
+
+class LeadershipLost(RuntimeError):
+    """This process's lease lapsed or changed hands: the transaction it fenced is not committed."""
 
 
 def default_holder() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
-def advisory_key(name: str, scope: str = "") -> int:
-    """A stable signed 64-bit key for `name` within `scope` (pg advisory locks take a bigint)."""
-    return int.from_bytes(hashlib.sha256(f"hvd-leader:{scope}:{name}".encode()).digest()[:8], "big", signed=True)
-
-
 class LeaderLock:
-    """Interface: `try_acquire()`, `renew()`, `release()`, `is_leader`."""
+    """Interface: `try_acquire()`, `renew()`, `release()`, `is_leader`, `epoch`, `fence(session)`."""
 
     name: str
     holder: str
+    epoch: int
 
     def try_acquire(self) -> bool:
         raise NotImplementedError
@@ -52,6 +64,9 @@ class LeaderLock:
         raise NotImplementedError
 
     def release(self) -> None:
+        raise NotImplementedError
+
+    def fence(self, session: Session) -> None:
         raise NotImplementedError
 
     @property
@@ -65,102 +80,32 @@ class LeaderLock:
         self.release()
 
 
-class PgAdvisoryLeaderLock(LeaderLock):
-    def __init__(self, engine: Engine, name: str, holder: str | None = None) -> None:
-        self.engine = engine
-        self.name = name
-        self.holder = holder or default_holder()
-        self.key: int | None = None  # advisory_key(name, current schema); set on first connection
-        self._conn: Connection | None = None
-        self._lock = threading.Lock()
+def _db_now(dialect: str) -> Any:
+    """Now, by the database's clock where it has one that every replica shares."""
+    return func.clock_timestamp() if dialect == "postgresql" else utcnow()
 
-    @property
-    def is_leader(self) -> bool:
-        return self._conn is not None
 
-    def try_acquire(self) -> bool:
-        """Take the lock if free (non-blocking); True if this process is (now) the leader."""
-        with self._lock:
-            if self._conn is not None:
-                return self._check_locked()
-            conn = None
-            try:
-                # AUTOCOMMIT: the lock is session-level, so no transaction is left idle (and open
-                # to idle_in_transaction_session_timeout) while it is held.
-                conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
-                if self.key is None:
-                    # Advisory locks are database-wide: scope the key by schema so deployments in
-                    # different schemas of one database do not block each other.
-                    self.key = advisory_key(self.name, str(conn.execute(text("SELECT current_schema()")).scalar()))
-                got = bool(conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": self.key}).scalar())
-            except SQLAlchemyError:
-                if conn is not None:
-                    self._discard(conn)
-                return False
-            if not got:
-                conn.close()
-                return False
-            self._conn = conn
-            return True
-
-    def renew(self) -> bool:
-        """Confirm the lock is still held (its connection alive); drops leadership if not."""
-        with self._lock:
-            if self._conn is None:
-                return False
-            return self._check_locked()
-
-    def _check_locked(self) -> bool:
-        assert self._conn is not None
-        try:
-            held = bool(self._conn.execute(
-                text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid() "
-                     "AND granted AND ((classid::bigint << 32) | objid::bigint) = :k"),
-                {"k": self.key}).scalar())
-        except SQLAlchemyError:
-            held = False
-        if not held:
-            self._discard(self._conn)
-            self._conn = None
-        return held
-
-    def release(self) -> None:
-        with self._lock:
-            conn, self._conn = self._conn, None
-            if conn is None:
-                return
-            try:
-                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": self.key})
-                conn.close()
-            except SQLAlchemyError:
-                self._discard(conn)
-
-    @staticmethod
-    def _discard(conn: Connection) -> None:
-        # Never hand a connection that may still hold the lock back to the pool: close it for real.
-        try:
-            conn.invalidate()
-        except Exception:
-            pass
-        try:
-            conn.close()
-        except Exception:
-            pass
+def _db_later(dialect: str, seconds: float) -> Any:
+    if dialect == "postgresql":
+        return func.clock_timestamp() + func.make_interval(0, 0, 0, 0, 0, 0, seconds)
+    return utcnow() + timedelta(seconds=seconds)
 
 
 class LeaseLeaderLock(LeaderLock):
     def __init__(self, engine: Engine, name: str, holder: str | None = None, ttl: float = 10.0,
                  auto_renew: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
         """`clock`: the monotonic seconds the lease's local validity is measured in (tests pass a fake
-        one to expire a lease without waiting for it). The row's expires_at is wall-clock UTC."""
-        if ttl <= 0:
-            raise ValueError(f"ttl must be > 0, got {ttl}")
+        one to expire a lease without waiting for it). The row's expires_at is the database's time."""
+        if not ttl > 0:
+            raise ValueError(f"ttl must be > 0 seconds, got {ttl}")
         self.engine = engine
         self.name = name
         self.holder = holder or default_holder()
         self.ttl = ttl
         self.auto_renew = auto_renew
         self.clock = clock
+        self.epoch = 0  # the term this process holds (0: none yet)
+        self._dialect = engine.dialect.name
         self._valid_until = 0.0  # on self.clock; the lease is surely ours before this
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -172,24 +117,25 @@ class LeaseLeaderLock(LeaderLock):
 
     def _take(self) -> bool:
         started = self.clock()  # conservative: the lease runs from before the statement
-        now = utcnow()
-        expires = now + timedelta(seconds=self.ttl)
+        now, expires = _db_now(self._dialect), _db_later(self._dialect, self.ttl)
+        ours = (Lease.holder == self.holder) & (Lease.epoch == self.epoch) & (Lease.expires_at >= now)
         try:
             with session_scope(self.engine) as session:
-                result = session.execute(
+                epoch = session.execute(
                     update(Lease)
                     .where(Lease.name == self.name, (Lease.expires_at < now) | (Lease.holder == self.holder))
-                    .values(holder=self.holder, expires_at=expires))
-                taken = result.rowcount == 1
-                if not taken and session.get(Lease, self.name) is None:
-                    session.execute(insert(Lease).values(name=self.name, holder=self.holder, expires_at=expires))
-                    taken = True
-        except IntegrityError:  # another process inserted the row first
-            taken = False
-        except SQLAlchemyError:
-            taken = False
-        self._valid_until = started + self.ttl if taken else 0.0
-        return taken
+                    .values(holder=self.holder, expires_at=expires,
+                            epoch=case((ours, Lease.epoch), else_=Lease.epoch + 1))  # a new term unless renewing ours
+                    .returning(Lease.epoch)).scalar()
+                if epoch is None and session.scalar(select(Lease.name).where(Lease.name == self.name)) is None:
+                    session.execute(insert(Lease).values(name=self.name, holder=self.holder, expires_at=expires,
+                                                         epoch=1))
+                    epoch = 1
+        except (IntegrityError, SQLAlchemyError):  # IntegrityError: another process inserted the row first
+            epoch = None
+        self.epoch = 0 if epoch is None else int(epoch)
+        self._valid_until = started + self.ttl if epoch is not None else 0.0
+        return epoch is not None
 
     def try_acquire(self) -> bool:
         with self._lock:
@@ -201,11 +147,29 @@ class LeaseLeaderLock(LeaderLock):
         return taken
 
     def renew(self) -> bool:
-        """Extend the lease if still ours; False (no longer leader) if it expired and was taken."""
+        """Extend the lease if still ours; False (no longer leader) if it lapsed and was taken."""
         with self._lock:
             if self._valid_until == 0.0:
                 return False
             return self._take()
+
+    def fence(self, session: Session) -> None:
+        """End a leader's write transaction with this: it commits only inside this leader's term.
+
+        Locks the lease row until the transaction ends, so the lease cannot change hands between the
+        check and the commit; raises LeadershipLost (the caller's transaction rolls back) if the term
+        is over, by the database's clock."""
+        if not self.is_leader:
+            raise LeadershipLost(f"{self.holder} is not the {self.name!r} leader (its lease lapsed or was released)")
+        if self._dialect == "postgresql":
+            session.execute(text(f"SET LOCAL idle_in_transaction_session_timeout = {round(FENCED_IDLE_S * 1000)}"))
+        held = session.execute(
+            update(Lease).where(Lease.name == self.name, Lease.holder == self.holder, Lease.epoch == self.epoch,
+                                Lease.expires_at > _db_now(self._dialect))
+            .values(epoch=Lease.epoch)).rowcount
+        if held != 1:
+            self._valid_until = 0.0
+            raise LeadershipLost(f"{self.holder} lost the {self.name!r} lease (term {self.epoch} is over)")
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.ttl / 3):
@@ -224,15 +188,14 @@ class LeaseLeaderLock(LeaderLock):
                 return
             try:
                 with session_scope(self.engine) as session:
-                    # Expire it now (only if still ours) so a follower need not wait for the ttl.
-                    session.execute(update(Lease).where(Lease.name == self.name, Lease.holder == self.holder)
-                                    .values(expires_at=utcnow() - timedelta(seconds=1)))
+                    # Lapse it now (only if still ours) so a follower need not wait for the ttl.
+                    session.execute(update(Lease).where(Lease.name == self.name, Lease.holder == self.holder,
+                                                        Lease.epoch == self.epoch)
+                                    .values(expires_at=_db_later(self._dialect, -1.0)))
             except SQLAlchemyError:
                 pass
 
 
 def make_leader_lock(engine: Engine, name: str, holder: str | None = None, ttl: float = 10.0) -> LeaderLock:
-    """An advisory-lock leader lock on PostgreSQL, a lease in `leases` elsewhere."""
-    if engine.dialect.name == "postgresql":
-        return PgAdvisoryLeaderLock(engine, name, holder)
+    """The learner's lock: a fenced lease in `leases` (see the module docstring)."""
     return LeaseLeaderLock(engine, name, holder, ttl)

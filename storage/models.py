@@ -13,6 +13,7 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
+    Index,
     Integer,
     LargeBinary,
     MetaData,
@@ -182,6 +183,12 @@ class DecisionEvent(Base):
     # Draft tokens verified (a cache draft's prefix when the allocator cut it); NULL: none verified,
     # or an event from before migration 0007 (its whole draft, when its decision was cache).
     verified_len: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # The inserting transaction's id on PostgreSQL (0 on SQLite, and for rows from before migration
+    # 0014): the learner reads in (txid, id) order below the oldest running transaction, so a chunk
+    # that commits after a later one was read is still read (storage.events.events_after).
+    txid: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
+
+    __table_args__ = (Index("ix_decision_events_txid_id", "txid", "id"),)
 
 
 class DeadLetterEvent(Base):
@@ -297,6 +304,8 @@ class TauHistory(Base):
     and the live estimates it came from."""
 
     __tablename__ = "tau_history"
+    # each workload's newest row in one index probe (migration 0016)
+    __table_args__ = (Index("ix_tau_history_workload_id", "workload", "id"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, index=True)
@@ -314,7 +323,11 @@ class StatBucket(Base):
     added to (upsert), never rewritten, so several writers can share one table."""
 
     __tablename__ = "stat_buckets"
-    __table_args__ = (UniqueConstraint("bucket_start", "tenant", "workload", "predictor_version_id"),)
+    # migration 0016's indexes: a tenant's or a workload's buckets, the dropped rows (tenant "*"), the tenant
+    # search and the list of workloads read index ranges, never every bucket
+    __table_args__ = (UniqueConstraint("bucket_start", "tenant", "workload", "predictor_version_id"),
+                      Index("ix_stat_buckets_tenant_start", "tenant", "bucket_start"),
+                      Index("ix_stat_buckets_workload_start", "workload", "bucket_start"))
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     bucket_start: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, index=True)
@@ -348,13 +361,16 @@ class DriftEvent(Base):
 
 
 class Lease(Base):
-    """A named lease (e.g. the learner's leadership) for databases without advisory locks."""
+    """A named lease (the learner's leadership), on every database, timed by the database's clock."""
 
     __tablename__ = "leases"
 
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     holder: Mapped[str] = mapped_column(Text, nullable=False)
     expires_at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False)
+    # The term: one more each time the lease changes hands (or lapses); a leader's writes check it
+    # in their own transaction (storage.leader.LeaseLeaderLock.fence).
+    epoch: Mapped[int] = mapped_column(BigInteger, nullable=False, server_default="0")
 
 
 class ReplicaHealth(Base):
@@ -405,3 +421,37 @@ class StepCostMinute(Base):
     total_ms_sum: Mapped[float] = mapped_column(Float, nullable=False)
     total_ms_p50: Mapped[float] = mapped_column(Float, nullable=False)
     total_ms_p90: Mapped[float] = mapped_column(Float, nullable=False)
+
+
+class LearnerCursor(Base):
+    """Where the fleet's learning stands: the last event a committed learner round consumed, in
+    (txid, id) order. Moved only by a compare-and-set in the round's own fenced transaction, so each
+    committed event is in exactly one committed round, whichever replica leads."""
+
+    __tablename__ = "learner_cursor"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    txid: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    event_id: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    events: Mapped[int] = mapped_column(BigInteger, nullable=False)  # consumed since the cursor was made
+    epoch: Mapped[int] = mapped_column(BigInteger, nullable=False)  # the leader's term that moved it last
+    holder: Mapped[str] = mapped_column(Text, nullable=False)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False)
+
+
+class LearnerRound(Base):
+    """One committed learner round: the events it consumed (after the start, up to and including
+    the end, in (txid, id) order) and the term it ran in. The audit of exactly-once learning."""
+
+    __tablename__ = "learner_rounds"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+                                    autoincrement=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False)
+    epoch: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    holder: Mapped[str] = mapped_column(Text, nullable=False)
+    after_txid: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    after_id: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    last_txid: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    last_id: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    events: Mapped[int] = mapped_column(Integer, nullable=False)

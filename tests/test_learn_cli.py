@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 
-from controller.cli.learn import default_replica, last_learner_cursor
+from controller.cli.learn import default_replica
 from controller.cli.main import main
 from storage.engine import make_engine, session_scope
 from storage.leader import make_leader_lock
+from storage.learner_log import read_cursor
 from storage.models import DecisionEvent, Lease, ReplicaHealth, TauHistory, utcnow
 from support.trace_subset import champion_database, write_subset
 
@@ -92,7 +93,8 @@ def test_once_learns_the_stored_events_resumes_and_stands_by_while_another_holds
     assert {w for w, _ in taus} == decided  # each workload's break-even tau, from the first round
     assert all(reason == "live estimates" for _, reason in taus)
     assert beat["state"] == "stopped" and beat["progress"]["cursor"] == last and beat["progress"]["leading"]
-    assert last_learner_cursor(engine) == last
+    with session_scope(engine) as s:  # the fleet's cursor, where the next learner goes on
+        assert read_cursor(s).id == last
 
     # 2. more traffic; another learner holds the lock: standby, nothing learned, nothing written
     serve(url, write_subset(tmp_path / "more.jsonl", {"fastchat-chat": 6, "reflexion-programming": 4}), 6)
@@ -112,7 +114,7 @@ def test_once_learns_the_stored_events_resumes_and_stands_by_while_another_holds
     # 3. the lock free again: resumes after the cursor of step 1, learns only the new events
     code, out = learn_once(url, capsys)
     assert code == 0, out
-    assert f"learning from the stored events after #{last} (the cursor the last leading learner reported)" in out
+    assert f"learning from the stored events after #{last} (the fleet's learning cursor)" in out
     assert f"caught up at #{newest}: {more - events} events learned" in out
     assert learned(engine, replica)[1]["progress"]["cursor"] == newest
     with session_scope(engine) as s:  # released: the lease has expired

@@ -5,6 +5,7 @@ import argparse
 
 import numpy as np
 import pytest
+from sqlalchemy import delete
 
 from controller.cli.main import _rollback
 from controller.core.decision import DecisionConfig
@@ -26,7 +27,8 @@ from predictor.online.promotion import PromotionPolicy, ShadowScore
 from predictor.replay.trace_replay import replay
 from storage.engine import make_engine, session_scope
 from storage.migrate import upgrade
-from storage.models import DriftEvent
+from storage.learner_log import list_rounds, read_cursor
+from storage.models import DriftEvent, LearnerCursor
 from storage.versions import create_version, get_alias_version, list_alias_events, list_versions, set_alias
 from storage.workloads import WORKLOADS
 
@@ -174,6 +176,7 @@ def test_same_events_in_same_versions_out(served_db, tmp_path):
         with session_scope(engine) as s:
             if get_alias_version(s, CHAMPION).id != 1:  # a move to where it is would be refused
                 set_alias(s, CHAMPION, 1, reason="reset", actor="test")
+            s.execute(delete(LearnerCursor))  # the fleet's cursor gone: the same events learned again
         service = LearnerService(engine, DecisionConfig(), SMALL, replica="r", start_at_end=False, batch_events=500)
         while service.run_once():
             pass
@@ -191,7 +194,7 @@ def test_service_never_promotes_a_challenger_that_does_not_load(served_db, monke
     service = LearnerService(engine, DecisionConfig(), SMALL, replica="r1", start_at_end=False, batch_events=500)
     promote_as_learned = service._promote
 
-    def promote_diverged(score) -> None:
+    def promote_diverged(session, score) -> None:
         learned = service.learner.challenger()
         w0 = learned.weights[0].copy()
         w0[0, 0] = np.nan
@@ -199,7 +202,7 @@ def test_service_never_promotes_a_challenger_that_does_not_load(served_db, monke
                                  learned.schema_hash)
         with monkeypatch.context() as m:
             m.setattr(service.learner, "challenger", lambda: diverged)
-            promote_as_learned(score)
+            promote_as_learned(session, score)
 
     monkeypatch.setattr(service, "_promote", promote_diverged)
     with pytest.raises(UnloadableVersionError,
@@ -209,3 +212,8 @@ def test_service_never_promotes_a_challenger_that_does_not_load(served_db, monke
     assert service.champion_id == 1 and not service.stats.promotions
     with session_scope(engine) as s:
         assert get_alias_version(s, CHAMPION).id == 1 and [v.id for v in list_versions(s)] == [1]
+        # the whole round rolled back with it: its cursor move too; the next round starts over
+        cursor = read_cursor(s)
+        assert cursor is None or cursor.id < service.cursor.id + service.batch_events
+        assert not list_rounds(s) or list_rounds(s)[-1].last_id == cursor.id
+    assert service._stale

@@ -248,7 +248,7 @@ def test_same_events_same_promotions_and_calibrations(pessimist_db):
     from predictor.online.learner import LearnerConfig
     from storage.calibrations import clear_calibrations, list_calibrations
     from storage.engine import session_scope
-    from storage.models import Alias
+    from storage.models import Alias, LearnerCursor
     from storage.versions import list_alias_events, list_versions
 
     engine, _ = pessimist_db
@@ -259,6 +259,7 @@ def test_same_events_same_promotions_and_calibrations(pessimist_db):
     for _ in range(2):
         with session_scope(engine) as s:
             s.query(Alias).filter(Alias.name.like("champion/%")).delete(synchronize_session=False)
+            s.query(LearnerCursor).delete()  # the fleet's cursor gone: the same events learned again
             clear_calibrations(s)
         service = LearnerService(engine, DecisionConfig(), config, replica="r", start_at_end=False, batch_events=500)
         while service.run_once():

@@ -4,7 +4,7 @@ A serving replica that learns (HVD_LEARN) runs the LearnerService (controller/se
 learner_service.py) inside vLLM's worker, where its rounds compete with the decode step for the
 cores and the GIL. `hvd learn` runs the same service beside the servers instead, against the same
 database (`--db`, else HVD_DATABASE_URL), leader-locked the same way: `storage.leader.
-make_leader_lock(engine, "learner", replica)`, a PostgreSQL advisory lock or a lease row on SQLite.
+make_leader_lock(engine, "learner", replica)`, a fenced lease row in the database.
 Of several `hvd learn` processes (and serving replicas that still learn), the lock holder learns and
 the others wait as standbys, trying for the lock every `--interval`, and take over when it goes.
 
@@ -12,18 +12,18 @@ Its decision configuration (cost profile, model-drafter prior, rule, longest mod
 tau...) is built from the HVD_* settings as the vLLM plugin builds its own
 (controller/engines/vllm_hybrid.py): run it with the servers' settings.
 
-Long-running (the default): a leader starts at the end of the stored events, as a serving replica's
-learner does when it takes over (what earlier leaders learned is in the champions), and learns from
-every event the replicas write from then on. It prints a line when it leads or stands by, one per
+Long-running (the default): a leader goes on from the fleet's learning cursor (`learner_cursor`,
+moved by every committed round of whichever learner led: storage.learner_log), as a serving
+replica's learner does when it takes over; the first learner of a database starts at the end of
+the stored events. It prints a line when it leads or stands by, one per
 round that learned, and one per promotion, rollback and drift; it writes a heartbeat row
 (`replica_health`, named `hvd-learn-<host>-<pid>`) every HEARTBEAT_S with its cursor, which the
 dashboard's Health page shows as the learner's lag. SIGINT or SIGTERM stops the service (the round
 in progress finishes), releases the lock and writes a last heartbeat.
 
 `--once` (tests, cron): take the lock once (if another learner holds it: say so, learn nothing, exit
-0), learn from the stored events after the cursor the last leading learner reported in its
-heartbeat (else from the first stored event) until caught up, write the heartbeat with the new
-cursor (the next `--once` resumes there), release the lock and exit.
+0), learn from the stored events after the fleet's cursor (else from the first stored event) until
+caught up, write the heartbeat, release the lock and exit; the next `--once` resumes at the cursor.
 
 This module imports nothing heavy at import time: `hvd --help` reads DEFAULT_INTERVAL.
 """
@@ -70,33 +70,8 @@ def decision_from_settings(settings):
         fixed_tau=settings.fixed_tau, rule=settings.rule)
 
 
-def last_learner_cursor(engine) -> int | None:
-    """The furthest cursor a leading learner reported in its heartbeat (`replica_health.services`,
-    the learner's `progress`), or None if none ever did."""
-    from storage.engine import session_scope
-    from storage.events import replica_health
-
-    best = None
-    with session_scope(engine) as session:
-        rows = [r.services for r in replica_health(session)]
-    for services in rows:
-        try:
-            states = json.loads(services) if services else []
-        except ValueError:
-            continue
-        for s in states if isinstance(states, list) else []:
-            progress = s.get("progress") if isinstance(s, dict) and s.get("name") == "hvd-learner" else None
-            cursor = progress.get("cursor") if isinstance(progress, dict) and progress.get("leading") else None
-            if isinstance(cursor, int) and not isinstance(cursor, bool):
-                best = cursor if best is None else max(best, cursor)
-    return best
-
-
 def lock_holder(engine) -> str | None:
-    """Who holds the learner lock, where the database can tell (SQLite's lease row); None on
-    PostgreSQL, whose advisory locks carry no holder name, or when no lease is live."""
-    if engine.dialect.name == "postgresql":
-        return None
+    """Who holds the learner lock (its live lease row); None when no lease is live."""
     from storage.engine import session_scope
     from storage.models import Lease, utcnow
 
@@ -209,8 +184,7 @@ def run_learn(engine, opts: LearnOptions, say: Callable[[str], None] = _print) -
     except LookupError as exc:
         raise LookupError(f"database {masked_url(engine)}: {exc}") from None
     lock = make_leader_lock(engine, LOCK_NAME, replica)
-    kind = "advisory lock" if engine.dialect.name == "postgresql" else "lease"
-    say(f"hvd learn: learner {replica} on {masked_url(engine)} ({LOCK_NAME!r} {kind}; rule {decision.rule}, "
+    say(f"hvd learn: learner {replica} on {masked_url(engine)} ({LOCK_NAME!r} lease; rule {decision.rule}, "
         f"cost profile {decision.cost.name}); " + ("once, until caught up" if opts.once else
                                                     "Ctrl-C or SIGTERM stops it"))
     learner = _learner_class()
@@ -245,13 +219,12 @@ def _once(engine, lock, learner, decision, replica: str, stop: threading.Event, 
             "not learning (--once)")
         return 0
     try:
-        # lock=None: the lock is taken here, for the whole run; the service learns in this thread
-        service = learner(engine, decision, None, replica=replica, lock=None, start_at_end=True, say=say)
-        resume = last_learner_cursor(engine)
-        service.stats.cursor = 0 if resume is None else resume
+        # the lock is taken here, for the whole run (its rounds are fenced by it); the service learns
+        # in this thread, from the fleet's cursor, else from the first stored event
+        service = learner(engine, decision, None, replica=replica, lock=lock, start_at_end=False, say=say)
+        placed = service.resumes
         say(f"hvd learn: leading: learning from the stored events after #{service.stats.cursor} "
-            + ("(the first stored event: no learner reported a cursor yet)" if resume is None else
-               "(the cursor the last leading learner reported)"))
+            + ("(the fleet's learning cursor)" if placed else "(the first stored event: no learner placed a cursor yet)"))
         state = "caught up"
         while True:
             if stop.is_set():

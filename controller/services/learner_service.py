@@ -1,21 +1,26 @@
 """The learner as a service: on the leader only, off the decode path, from what is in SQL.
 
 Every replica's writer puts its labelled events in `decision_events`; the leader (one per
-database: a PostgreSQL advisory lock, or a lease row on SQLite) reads them in id order, lets the
+database: a fenced lease, storage.leader) reads them in commit order (storage.events), lets the
 online learner shadow-score and learn, records drift, promotes the challenger when it has earned it
 (a new predictor version with parent, metrics and reason, and the `champion` alias moved), and
 keeps tau per workload (tau history: the allocator's break-even tau, or the binary rule's).
 Replicas pick all of that up through their control pollers. A follower keeps trying for the lock,
-so a dead leader is replaced.
+so a dead leader is replaced. Each round commits its writes and the fleet's cursor together, inside
+the leader's term (storage.learner_log): every committed event is learned in exactly one round.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import NamedTuple
 
 import numpy as np
 from sqlalchemy import Engine
+from sqlalchemy.orm import Session
 
 from controller.core.decision import DecisionConfig, effective_rule
 from controller.core.tau_tuner import TauTuner
@@ -25,7 +30,7 @@ from predictor.drafting.features import NUM_FEATURES
 from predictor.gate.batch import Batch
 from predictor.gate.calibration import Calibration
 from predictor.gate.mlp import SURVIVAL_K, GatePredictor
-from predictor.gate.registry import (CHAMPION, load_gate, promote, promote_for_workload, version_kind, workload_alias,
+from predictor.gate.registry import (CHAMPION, load_gate, move_alias, version_kind, workload_alias,
                                workload_champions)
 from predictor.online.calibrator import Calibrator, Recent, Score
 from predictor.online.counterfactual import Paths, gain, replay_paths, served_curves_from, wins
@@ -34,9 +39,13 @@ from predictor.online.promotion import ShadowScore
 from predictor.online.workload_promotion import Verdict, WorkloadPromoter, replay_drafts
 from storage.calibrations import ALL_TENANTS, clear_calibrations, save_calibration
 from storage.engine import session_scope
-from storage.events import count_cache_drafts_since, events_after, last_event_id
+from storage.events import EventCursor, count_cache_drafts_since, events_after, events_end
+from storage.learner_log import PRUNE_EVERY, advance_cursor, place_cursor, prune_rounds, read_cursor
 from storage.learner_checks import add_learner_check
 from storage.learning_room import add_learning_room, prune_learning_room
+from storage.limits import MAX_REASON_LEN
+from storage.pins import AliasPinnedError, current_pin, list_pins
+from storage.tau_history import TauRetention
 from storage.versions import (add_drift_event, add_tau_history, create_version, get_alias_version,
                               list_alias_events)
 from storage.workloads import WORKLOADS
@@ -50,6 +59,7 @@ CALIBRATION_JUDGES = (1, None)
 # newest 10 million drafts' worth; the dashboard shows each workload's newest.
 KEEP_LEARNING_ROOM = 10_000
 MIN_JUDGED = 200  # held-back drafts a scope needs before its calibration is judged (and served)
+log = logging.getLogger("hvd.learner")
 
 
 @dataclass
@@ -63,6 +73,16 @@ class LearnerStats:
     last_update: datetime | None = None
     calibrations: int = 0  # scopes refitted
     rollbacks: list[tuple[str, int, int]] = field(default_factory=list)  # (workload, from version, back to)
+    held: list[tuple[str, int]] = field(default_factory=list)  # (alias, version) moves a pin refused
+    moved_meanwhile: list[tuple[str, int]] = field(default_factory=list)  # (alias, version) moves a CAS refused
+
+
+class Judgement(NamedTuple):
+    """Workload comparisons judged in a round (WorkloadPromoter.judge), to be acted on in its transaction."""
+
+    challenger: GatePredictor
+    verdicts: list[Verdict]
+    judged: dict[int, int]  # workload index -> the version serving it when judged
 
 
 class LearnerService(BackgroundService):
@@ -81,10 +101,21 @@ class LearnerService(BackgroundService):
         self.replica = replica
         self.lock = lock
         self.batch_events = batch_events
-        self.tuner = TauTuner(decision)
         self.stats = LearnerStats()
-        self._leading = lock is None
-        self.champion_id, champion = load_gate(engine)
+        self._leading = lock is None or lock.is_leader
+        self._start_at_end = start_at_end
+        self.tau_retention = TauRetention()  # tau_history's age and row bounds, pruned where it is written
+        self.cursor = EventCursor()  # after the last event learned, in commit order (storage.events)
+        self._cursor_placed = False  # whether the database holds a cursor yet (the first round places it)
+        self._stale = False  # a round did not commit: rebuild from the database before the next
+        self._rounds = 0
+        self._fresh()
+        self._take_over()
+
+    def _fresh(self) -> None:
+        """What the learner knows, from the champions in the database alone."""
+        self.tuner = TauTuner(self.decision)
+        self.champion_id, champion = load_gate(self.engine)
         self.learner = OnlineLearner(champion, self._goodput, self.config)
         self.calibrator = Calibrator(self.config.calibration)
         self.promoter = WorkloadPromoter(self.config.counterfactual, NUM_FEATURES, len(WORKLOADS))
@@ -92,23 +123,36 @@ class LearnerService(BackgroundService):
         self._before: dict[str, int] = {}  # a watched promotion's predecessor, per workload
         self._checks: list[dict] = []  # judgements to record (storage.learner_checks), written with the round's writes
         self._rooms: list[dict] = []  # headroom measurements to record (storage.learning_room), likewise
-        if start_at_end:
-            self._take_over()
+
+    @property
+    def resumes(self) -> bool:
+        """Whether the database holds the fleet's cursor (this learner goes on from it)."""
+        return self._cursor_placed
 
     def progress(self) -> dict | None:
-        """The learner's cursor, so the Health page can show how far it lags the event log."""
-        return {"cursor": self.stats.cursor, "cursor_at": self.stats.cursor_at, "leading": self._leading}
+        """The learner's cursor, so the Health page can show how far it lags the event log, and its
+        capped per-tenant state (calibration tenant scopes held, their cap, how many it evicted)."""
+        return {"cursor": self.stats.cursor, "cursor_at": self.stats.cursor_at, "leading": self._leading,
+                "epoch": None if self.lock is None else self.lock.epoch,
+                "tenant_scopes": self.calibrator.tenant_scopes(),
+                "tenant_scope_cap": self.calibrator.config.max_tenant_scopes,
+                "tenant_scopes_evicted": self.calibrator.evicted}
 
     # ---------------------------------------------------------------- one round
     def run_once(self) -> int:
-        """Learn from the next batch of stored events; returns how many events were read."""
+        """Learn from the next batch of settled events, then commit the round in one transaction,
+        fenced by the leader's lease: what it concluded, and the cursor moved (compare-and-set) past
+        the events it read. A round that does not commit leaves this learner stale: it starts again
+        from what the database holds, so no event is learned twice (storage.learner_log)."""
+        if self._stale:
+            self._rebuild()
         self._follow_external_champion()
         with session_scope(self.engine) as s:
-            rows = events_after(s, self.stats.cursor, self.batch_events)
+            rows = events_after(s, self.cursor, self.batch_events)
         if not rows:
             return 0
-        self.stats.cursor = rows[-1].id
-        self.stats.cursor_at = rows[-1].at.timestamp()
+        self._stale = True  # until the round commits
+        end = EventCursor(rows[-1].txid, rows[-1].id)
         decided_workload, decided_tau = [], []
         for r in rows:
             if r.drafter == "model":
@@ -119,6 +163,7 @@ class LearnerService(BackgroundService):
         self.tuner.observe_break_even(np.array(decided_workload, dtype=np.int64), np.array(decided_tau))
         batch = batch_from_events(rows, self.tuner.thresholds)
         now = datetime.now(timezone.utc)
+        learned = judgement = score = None
         if len(batch.label):
             self.tuner.observe_cache(batch, self.learner.champion.predict(batch.features))
             counterfactual = self._counterfactual()
@@ -127,38 +172,75 @@ class LearnerService(BackgroundService):
             result = self.learner.learn_many(batch, released)
             self.stats.updates += result.updates
             self.stats.last_update = now
-            with session_scope(self.engine) as s:
-                self._write_checks(s, now)
-                for (workload, tenant), (calibration, pays, verdict) in refitted.items():
-                    if pays:  # won by the margin, clearly
-                        save_calibration(s, workload=workload, tenant=tenant,
-                                         predictor_version_id=self._serving(workload)[0],
-                                         params=calibration.to_json(), events=calibration.events,
-                                         reason=(f"fitted on {calibration.events} labelled drafts; counterfactual "
-                                                 f"goodput {100 * verdict:+.2f}% on the held-back drafts"))
-                    else:  # a correction that would not have paid is not served
-                        clear_calibrations(s, workload, ALL_TENANTS if tenant is None else tenant)
-                for d in result.drifts:
-                    # what the correction learned is about the traffic before the drift
-                    self.calibrator.reset(d.workload)
-                    clear_calibrations(s, d.workload)
-                    self.stats.drifts.append((d.workload, d.events_seen))
-                    add_drift_event(s, at=now, workload=d.workload, detector="adwin",
-                                    detail={"events_seen": d.events_seen, "error_mean": round(d.error_mean, 4)},
-                                    predictor_version_id=self.champion_id)
-                rule = effective_rule(self.decision.rule, self.learner.champion.kind)
-                for c in self.tuner.changes("drift" if result.drifts else "live estimates", rule):
-                    add_tau_history(s, at=now, workload=c.workload, tau=c.tau, rule_tau=c.rule_tau,
-                                    correction=c.correction, model_mean_accepted=c.mu_e, reason=c.reason,
-                                    replica=self.replica)
+            for d in result.drifts:
+                # what the correction learned is about the traffic before the drift
+                self.calibrator.reset(d.workload)
+                self.stats.drifts.append((d.workload, d.events_seen))
+            rule = effective_rule(self.decision.rule, self.learner.champion.kind)
+            changes = self.tuner.changes("drift" if result.drifts else "live estimates", rule)
+            learned = (refitted, result.drifts, changes)
             if counterfactual:
-                self._judge_workloads(now)
+                judgement = self._judge()
             else:
                 score = self.learner.shadow.score()
-                if self.config.promotion.earned(score, self.learner.since_promotion):
-                    self._promote(score)
+                if not self.config.promotion.earned(score, self.learner.since_promotion):
+                    score = None
+        with self._leader_transaction() as s:
+            if learned is not None:
+                self._write_learned(s, now, *learned)
+            if judgement is not None:
+                self._act_on(s, judgement)
+            if score is not None:
+                self._promote(s, score)
+            self._write_checks(s, now)
+            self._advance(s, end, len(rows))
+        self._stale = False
+        self.cursor = end
+        self.stats.cursor = end.id
+        self.stats.cursor_at = rows[-1].at.timestamp()
         self.stats.events += len(rows)
         return len(rows)
+
+    @contextmanager
+    def _leader_transaction(self) -> Iterator[Session]:
+        """One transaction of the leader's writes, committed only inside its term (storage.leader)."""
+        with session_scope(self.engine) as s:
+            yield s
+            if self.lock is not None:
+                self.lock.fence(s)
+
+    def _advance(self, s: Session, end: EventCursor, events: int) -> None:
+        """The cursor from where this learner found it to `end`, and the round logged."""
+        epoch, holder = (0, self.replica) if self.lock is None else (self.lock.epoch, self.lock.holder)
+        if not self._cursor_placed:
+            place_cursor(s, self.cursor, epoch=epoch, holder=holder)
+        advance_cursor(s, self.cursor, end, events, epoch=epoch, holder=holder)
+        self._cursor_placed = True
+        self._rounds += 1
+        if self._rounds % PRUNE_EVERY == 0:
+            prune_rounds(s)
+
+    def _write_learned(self, s: Session, now: datetime, refitted: dict, drifts: list, changes: list) -> None:
+        """The round's calibrations (served or cleared), drifts and tau changes."""
+        for (workload, tenant), (calibration, pays, verdict) in refitted.items():
+            if pays:  # won by the margin, clearly
+                save_calibration(s, workload=workload, tenant=tenant,
+                                 predictor_version_id=self._serving(workload)[0],
+                                 params=calibration.to_json(), events=calibration.events,
+                                 reason=(f"fitted on {calibration.events} labelled drafts; counterfactual "
+                                         f"goodput {100 * verdict:+.2f}% on the held-back drafts"))
+            else:  # a correction that would not have paid is not served
+                clear_calibrations(s, workload, ALL_TENANTS if tenant is None else tenant)
+        for d in drifts:
+            clear_calibrations(s, d.workload)
+            add_drift_event(s, at=now, workload=d.workload, detector="adwin",
+                            detail={"events_seen": d.events_seen, "error_mean": round(d.error_mean, 4)},
+                            predictor_version_id=self.champion_id)
+        for c in changes:
+            add_tau_history(s, at=now, workload=c.workload, tau=c.tau, rule_tau=c.rule_tau,
+                            correction=c.correction, model_mean_accepted=c.mu_e, reason=c.reason,
+                            replica=self.replica)
+        self.tau_retention.wrote(s, now, len(changes))
 
     def _serving(self, workload: str) -> tuple[int, GatePredictor]:
         """(version id, gate) deciding `workload`: its own champion, else the champion."""
@@ -169,12 +251,11 @@ class LearnerService(BackgroundService):
         (no curve to replay) keeps the whole-stream shadow rule."""
         return self.learner.champion.kind == "survival" and self.learner.model.kind == "survival"
 
-    def _judge_workloads(self, now: datetime) -> None:
-        """The comparisons due (predictor.online.workload_promotion), acted on: one new version for the
-        challenger if it won anywhere, each winning workload's alias moved to it, regressions rolled back."""
+    def _judge(self) -> Judgement | None:
+        """The comparisons due (predictor.online.workload_promotion), judged; nothing written yet."""
         due = self.promoter.due()
         if not due:
-            return
+            return None
         challenger = self.learner.challenger()
         verdicts = [self.promoter.judge(w, self._serving(WORKLOADS[w])[1], challenger, self.tuner.model.curves(
             np.array([w])), self.decision.cost) for w in due]
@@ -183,45 +264,65 @@ class LearnerService(BackgroundService):
         told = [v for v in verdicts if v.outcome not in ("lost", "waiting")]
         judged = {v.workload: self._serving(WORKLOADS[v.workload])[0] for v in verdicts}  # before any move
         self._rooms += [self._learning_room(v, judged[v.workload]) for v in verdicts if v.headroom is not None]
+        return Judgement(challenger, verdicts, judged)
+
+    def _act_on(self, s: Session, judgement: Judgement) -> None:
+        """The judgement acted on: one new version for the challenger if it won anywhere, each winning
+        workload's alias moved to it, regressions rolled back."""
+        challenger, verdicts, judged = judgement
+        wins = [v for v in verdicts if v.action == "promote"]
+        losses = [v for v in verdicts if v.action == "rollback"]
+        told = [v for v in verdicts if v.outcome not in ("lost", "waiting")]
         if not told:
-            if self._rooms:
-                with session_scope(self.engine) as s:
-                    self._write_checks(s, now)
             return
         actor = f"learner@{self.replica}"
-        with session_scope(self.engine) as s:
-            version = None
-            if wins:
-                names = ", ".join(WORKLOADS[v.workload] for v in wins)
-                version = create_version(
-                    s, blob=challenger.to_bytes(), kind=version_kind(challenger), feature_schema_hash=challenger.schema_hash,
-                    metrics={"counterfactual": {WORKLOADS[v.workload]: v.to_json() for v in wins}},
-                    training_summary={"online": {"events_seen": self.learner.events_seen, "updates": self.learner.updates,
-                                                 "seed": self.config.seed}},
-                    reason=f"promoted by the online learner for {names} (counterfactual replay on held-back drafts)",
-                    created_by=actor, parent_id=self.champion_id)
-                self.stats.promotions.append(version.id)
-                for v in wins:
-                    name = WORKLOADS[v.workload]
-                    self._before[name] = self._serving(name)[0]
-                    promote_for_workload(s, name, version.id, actor=actor, reason=(
-                        f"promotion for {name}: counterfactual goodput {100 * v.gain:+.2f}% over v{self._before[name]} "
-                        f"on the {v.candidate.drafts} newest drafts, held back from its training"))
-                    self._switch(s, name, version.id, challenger)
-            for v in losses:
+        version = None
+        pins, refused = list_pins(s), {}  # workload -> why its move was not made
+        for v in wins:  # a pinned workload's win makes no version; the move itself re-checks under its lock
+            alias = workload_alias(WORKLOADS[v.workload])
+            if alias in pins:
+                refused[v.workload] = self._refuse(alias, None, f"held by a pin: {AliasPinnedError(alias, pins[alias])}")
+        wins = [v for v in wins if v.workload not in refused]
+        if wins:
+            names = ", ".join(WORKLOADS[v.workload] for v in wins)
+            version = create_version(
+                s, blob=challenger.to_bytes(), kind=version_kind(challenger), feature_schema_hash=challenger.schema_hash,
+                metrics={"counterfactual": {WORKLOADS[v.workload]: v.to_json() for v in wins}},
+                training_summary={"online": {"events_seen": self.learner.events_seen, "updates": self.learner.updates,
+                                             "seed": self.config.seed}},
+                reason=f"promoted by the online learner for {names} (counterfactual replay on held-back drafts)",
+                created_by=actor, parent_id=self.champion_id)
+            self.stats.promotions.append(version.id)
+            for v in wins:
                 name = WORKLOADS[v.workload]
-                back = self._before.pop(name)
-                promoted = self._serving(name)[0]
-                promote_for_workload(s, name, back, actor=actor, reason=(
-                    f"automatic rollback for {name}: v{promoted} served {100 * -v.gain:.2f}% less goodput than v{back} "
-                    f"on the {v.candidate.drafts} drafts after its promotion"))
-                _, gate = load_gate(self.engine, back) if back != self.champion_id else (back, self.learner.champion)
-                self._switch(s, name, back, gate)
-                self.stats.rollbacks.append((name, promoted, back))
-            for v in told:
-                self._checks.append(self._promotion_check(v, judged[v.workload],
-                                                          None if version is None else version.id))
-            self._write_checks(s, now)
+                before = self._serving(name)[0]
+                why = self._move(s, name, version.id, reason=(
+                    f"promotion for {name}: counterfactual goodput {100 * v.gain:+.2f}% over v{before} "
+                    f"on the {v.candidate.drafts} newest drafts, held back from its training"))
+                if why is not None:
+                    refused[v.workload] = why
+                    continue
+                self._before[name] = before
+                self._switch(s, name, version.id, challenger)
+        for v in losses:
+            name = WORKLOADS[v.workload]
+            back = self._before.pop(name)
+            promoted = self._serving(name)[0]
+            why = self._move(s, name, back, reason=(
+                f"automatic rollback for {name}: v{promoted} served {100 * -v.gain:.2f}% less goodput than v{back} "
+                f"on the {v.candidate.drafts} drafts after its promotion"))
+            if why is not None:
+                refused[v.workload] = why
+                continue
+            _, gate = load_gate(self.engine, back) if back != self.champion_id else (back, self.learner.champion)
+            self._switch(s, name, back, gate)
+            self.stats.rollbacks.append((name, promoted, back))
+        for v in told:
+            if v.workload in refused:
+                self._checks.append(self._refused_check(v, judged[v.workload], refused[v.workload]))
+                continue
+            self._checks.append(self._promotion_check(v, judged[v.workload],
+                                                      None if version is None else version.id))
 
     def _promotion_check(self, v: Verdict, serving: int, promoted_as: int | None) -> dict:
         """A promotion verdict worth recording (storage.learner_checks), in words; `serving`: the
@@ -360,11 +461,21 @@ class LearnerService(BackgroundService):
         return score
 
     def _take_over(self) -> None:
-        """Just became leader (or started at the end of the events): what earlier leaders learned is
-        in the champions; start at the end, and watch the promotions they had not seen through."""
+        """Just became leader: what earlier leaders learned is in the champions; go on from the
+        fleet's cursor (the first learner ever starts at the end, or with start_at_end=False at the
+        beginning), and watch the promotions earlier leaders had not seen through."""
         with session_scope(self.engine) as s:
-            self.stats.cursor = last_event_id(s)
+            stored = read_cursor(s)
+            self._cursor_placed = stored is not None
+            self.cursor = stored or (events_end(s) if self._start_at_end else EventCursor())
+        self.stats.cursor = self.cursor.id
         self._resume_watches()
+
+    def _rebuild(self) -> None:
+        """A round that did not commit left this learner ahead of the database: start again from
+        the champions and the cursor stored (what was learned since the last promotion is lost)."""
+        self._fresh()
+        self._take_over()
 
     def _resume_watches(self) -> None:
         """A workload whose alias was last moved by a learner's promotion, still in place and still on
@@ -391,23 +502,70 @@ class LearnerService(BackgroundService):
             self.promoter.watch(WORKLOADS.index(w), promoted, previous, fresh)
             self._before[w] = previous_id
 
-    def _promote(self, score: ShadowScore) -> None:
+    def _promote(self, s: Session, score: ShadowScore) -> None:
+        pin = current_pin(s, CHAMPION)
+        if pin is not None:  # no version made while a pin holds the champion; the move re-checks under its lock
+            self._refuse(CHAMPION, None, f"held by a pin: {AliasPinnedError(CHAMPION, pin)}")
+            return
         challenger = self.learner.challenger()
-        with session_scope(self.engine) as s:
-            version = create_version(
-                s, blob=challenger.to_bytes(), kind=version_kind(challenger), feature_schema_hash=challenger.schema_hash,
-                metrics={"shadow": score.to_json()},
-                training_summary={"online": {"events_seen": self.learner.events_seen, "updates": self.learner.updates,
-                                             "seed": self.config.seed}},
-                reason=(f"promoted by the online learner: goodput proxy {100 * score.gain:+.2f}% and MAE "
-                        f"{score.challenger_mae:.3f} vs {score.champion_mae:.3f} over {score.events} shadow-scored events"),
-                created_by=f"learner@{self.replica}", parent_id=self.champion_id)
-            promote(s, version.id, reason="promotion", actor=f"learner@{self.replica}")  # refuses an unloadable blob
-            new_id = version.id
+        version = create_version(
+            s, blob=challenger.to_bytes(), kind=version_kind(challenger), feature_schema_hash=challenger.schema_hash,
+            metrics={"shadow": score.to_json()},
+            training_summary={"online": {"events_seen": self.learner.events_seen, "updates": self.learner.updates,
+                                         "seed": self.config.seed}},
+            reason=(f"promoted by the online learner: goodput proxy {100 * score.gain:+.2f}% and MAE "
+                    f"{score.challenger_mae:.3f} vs {score.champion_mae:.3f} over {score.events} shadow-scored events"),
+            created_by=f"learner@{self.replica}", parent_id=self.champion_id)
+        if self._move(s, None, version.id, reason="promotion") is not None:  # refuses an unloadable blob too
+            return
+        new_id = version.id
         self.champion_id = new_id
         self.stats.promotions.append(new_id)
         self.learner.adopt(challenger)
         self.calibrator.reset()  # the corrections were fitted to the old champion's outputs
+
+    _refusals_told: set[tuple[str, str]] = set()  # refusals logged already (each logged once, counted always)
+
+    def _move(self, s: Session, workload: str | None, version_id: int, reason: str) -> str | None:
+        """Move `champion` (workload None) or `champion/<workload>` through the one checked move
+        (registry.move_alias), compare-and-set against the version this learner read at the start of
+        its round (_follow_external_champion set its champions from the database then). None if it
+        moved; else why not, the move skipped: a pin holds the alias, or someone moved it meanwhile
+        (the next round follows the database). Nothing was written then: the round commits the rest."""
+        from storage.versions import LEARNER_ACTOR, AliasMovedError
+
+        alias = CHAMPION if workload is None else workload_alias(workload)
+        read = self.champion_id if workload is None else self.workload_gates.get(workload, (None, None))[0]
+        try:
+            move_alias(s, alias, version_id, reason=reason, actor=f"{LEARNER_ACTOR}{self.replica}", expected=read)
+        except AliasPinnedError as exc:
+            return self._refuse(alias, version_id, f"held by a pin: {exc}")
+        except AliasMovedError as exc:
+            return self._refuse(alias, version_id, str(exc), pinned=False)
+        return None
+
+    def _refuse(self, alias: str, version_id: int | None, why: str, pinned: bool = True) -> str:
+        """A move of `alias` refused (to `version_id`; None: not even tried, its alias pinned): counted
+        in the stats, logged once per alias and reason, the workload's watch dropped (no promotion of
+        this learner's to judge there)."""
+        (self.stats.held if pinned else self.stats.moved_meanwhile).append((alias, version_id))
+        if (alias, why) not in self._refusals_told:
+            self._refusals_told = self._refusals_told | {(alias, why)}
+            log.warning("learner@%s: %s not moved%s: %s", self.replica, alias,
+                        "" if version_id is None else f" to v{version_id}", why)
+        if alias != CHAMPION:
+            self.promoter.unwatch(WORKLOADS.index(alias.split("/", 1)[1]))
+        return why
+
+    def _refused_check(self, v: Verdict, serving: int, why: str) -> dict:
+        """A promotion or rollback that was due but refused (storage.learner_checks: held, moved meanwhile)."""
+        name = WORKLOADS[v.workload]
+        move = "rollback" if v.action == "rollback" else "promotion"
+        reason = (f"the {move} of {name} was due ({100 * v.gain:+.2f}% on the {v.candidate.drafts} newest drafts) "
+                  f"but not made: {why}")[:MAX_REASON_LEN]
+        return {"workload": name, "tenant": None, "subject": "promotion",
+                "outcome": "held" if why.startswith("held by a pin") else "moved meanwhile", "gain": v.gain,
+                "drafts": v.candidate.drafts, "predictor_version_id": serving, "reason": reason}
 
     def _follow_external_champion(self) -> None:
         """An operator moved the alias (rollback), or another leader moved a workload's: learn on
@@ -429,6 +587,7 @@ class LearnerService(BackgroundService):
             else:
                 del self.workload_gates[workload]
             self._before.pop(workload, None)  # not this leader's promotion to watch
+            self.promoter.unwatch(WORKLOADS.index(workload))
             self.calibrator.reset(workload)
 
     def _goodput(self, label: np.ndarray, draft_len: np.ndarray, cache: np.ndarray,
