@@ -170,7 +170,7 @@ class EventWriter(BackgroundService):
             if self._write(len(self._buffer)) is None:
                 self._retry_at = time.monotonic() + self.retry.failed()
                 return self.interval
-            if self._unpruned >= self.prune_every:
+            if self._unpruned >= self.prune_every and time.monotonic() < self._stop_by:  # not past stop()'s deadline
                 self.prune()
         elif self.replica is not None and time.monotonic() - self._beat_at >= HEARTBEAT_S:
             try:
