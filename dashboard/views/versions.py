@@ -137,8 +137,9 @@ if checks:
     st.caption("Why the learner did (or did not) change what serves: a challenger that wins a check waits for a "
                "window of later drafts before it is promoted (won, then promoted or refused); a promotion is "
                "looked at again on its probation (kept or rolled back); a workload's first paying calibration is "
-               "on trial until a later window confirms or refuses it. Checks the challenger simply lost are not "
-               "recorded.")
+               "on trial until a later window confirms or refuses it. A promotion or rollback an operator's pin held is "
+               "recorded as held, one whose alias was moved meanwhile as moved meanwhile. Checks the challenger "
+               "simply lost are not recorded.")
 else:
     st.info("No learner checks yet: the learner records a challenger's win, its confirmation or refusal, probation "
             "looks and calibration trials as they happen.")
