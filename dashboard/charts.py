@@ -31,6 +31,12 @@ def segments(df: pd.DataFrame, at: str, max_gap: timedelta, by: str | None = Non
     return out
 
 
+def bin_words(resolution: timedelta) -> str:
+    """A time bin as axis titles say it: "1-minute", "15-minute", "4-hour", "1-day"."""
+    m = int(resolution.total_seconds() // 60)
+    return f"{m}-minute" if m < 60 else f"{m // 60}-hour" if m < 1440 else f"{m // 1440}-day"
+
+
 def tooltip(field: str, title: str, fmt: str | None = None) -> alt.Tooltip:
     """A tooltip entry with a human title and, for numbers, a rounded format (e.g. ".3f", ",d")."""
     return alt.Tooltip(field, title=title, format=fmt) if fmt else alt.Tooltip(field, title=title)

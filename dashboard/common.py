@@ -32,8 +32,12 @@ ALL_TENANTS, ALL_WORKLOADS = "(all tenants)", "(all workloads)"
 # controller.settings' defaults of HVD_COST_PROFILE and HVD_DRAFTER_PROFILE (the dashboard may not import
 # the controller; tests/test_dashboard.py keeps them equal).
 SERVING_COST_PROFILE, SERVING_DRAFTER = "cpu-smollm2", "eagle3-smollm2"
+# The default range is the last day of traffic (the day before the newest statistics bucket, not
+# before now: an idle database still shows its last day): every page then reads about a day of
+# buckets whatever the history kept (30 days: storage.stats.KEEP_STAT_DAYS); "all time" reads them all.
+LAST_TRAFFIC_DAY = "last day of traffic"
 TIME_RANGES: dict[str, timedelta | None] = {
-    "all time": None, "last 15 min": timedelta(minutes=15), "last hour": timedelta(hours=1),
+    LAST_TRAFFIC_DAY: timedelta(days=1), "all time": None, "last 15 min": timedelta(minutes=15), "last hour": timedelta(hours=1),
     "last 6 hours": timedelta(hours=6), "last 24 hours": timedelta(hours=24), "last 7 days": timedelta(days=7)}
 EMPTY_HELP = ("The database holds no predictor, statistics or decisions yet. Fill it with "
               "`make warmstart` (trains the first champion), then `hvd serve --engine replay` "
@@ -180,15 +184,33 @@ def _bound_choice(label: str, key: str, options: list[str], what: str, help: str
     return st.sidebar.selectbox(label, options, key=key, bind="query-params", help=help)
 
 
+def tenant_options(session: Session, search: str, linked: str | None) -> list[str]:
+    """What the tenant selection offers: the busiest tenants (at most q.TENANT_LIST_LIMIT), or those
+    whose name starts with `search`; a tenant named in the link is added when it is known, so a link
+    to a quiet tenant still shows it. Never every tenant: there can be tens of thousands."""
+    names = q.tenants(session, search=search.strip())
+    if linked and linked not in names and linked != ALL_TENANTS and q.tenant_known(session, linked):
+        names.append(linked)
+    return [ALL_TENANTS, *names]
+
+
 def selection_sidebar(session: Session) -> q.Scope:
     """Tenant, workload and time range for every page, from the sidebar (kept in the URL)."""
-    tenant = _bound_choice("Tenant", "tenant", [ALL_TENANTS, *q.tenants(session)], "tenant",
-                           "Every page shows this tenant's traffic (or all).")
+    search = st.sidebar.text_input("Find a tenant", key="tenant_search", placeholder="name starts with…",
+                                   help=f"The list below shows the {q.TENANT_LIST_LIMIT} busiest tenants of the "
+                                        "last day of traffic; type the start of a name to list the others.")
+    tenant = _bound_choice("Tenant", "tenant", tenant_options(session, search, st.query_params.get("tenant")),
+                           "tenant", "Every page shows this tenant's traffic (or all).")
     workload = _bound_choice("Workload", "workload", [ALL_WORKLOADS, *q.workloads(session)], "workload",
                              "Every page shows this workload's traffic (or all).")
     span = _bound_choice("Time range", "range", list(TIME_RANGES), "time range",
-                         "Statistics and events newer than this (UTC, from now).")
-    since = None if TIME_RANGES[span] is None else q.utcnow() - TIME_RANGES[span]
+                         "Statistics and events newer than this (UTC, from now; the last day of traffic: the "
+                         "day before the newest statistics).")
+    if span == LAST_TRAFFIC_DAY:
+        newest = q.newest_bucket(session)
+        since = None if newest is None else newest - TIME_RANGES[span]
+    else:
+        since = None if TIME_RANGES[span] is None else q.utcnow() - TIME_RANGES[span]
     return q.Scope(None if tenant == ALL_TENANTS else tenant, None if workload == ALL_WORKLOADS else workload, since)
 
 

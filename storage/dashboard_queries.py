@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from sqlalchemy import Engine, func, inspect, select
+from sqlalchemy import Engine, Integer, func, inspect, literal, select
 from sqlalchemy.orm import Session
 
 from storage.events import replica_health
@@ -31,7 +31,7 @@ from storage.models import (
     utcnow,
 )
 from storage.overrides import list_overrides, override_state, snapshot
-from storage.stats import ALL, HIST_BINS, LONG
+from storage.stats import ALL, BUCKET_SECONDS, HIST_BINS, LONG
 from storage.step_costs import STEP_PARTS, column, recent_minutes
 from storage.versions import CHAMPION, get_alias_version, version_problem
 
@@ -48,9 +48,10 @@ def missing_tables(engine: Engine) -> list[str]:
 
 
 def is_empty(session: Session) -> bool:
-    """No version, no statistics and no decisions yet (a fresh install)."""
+    """No version, no statistics and no decisions yet (a fresh install). One row is enough to know:
+    a count would read millions of buckets on every page."""
     for model in (PredictorVersion, StatBucket, DecisionEvent):
-        if session.scalar(select(func.count()).select_from(model)):
+        if session.scalar(select(model.id).limit(1)) is not None:
             return False
     return True
 
@@ -82,17 +83,117 @@ def _scoped(stmt, scope: Scope, model=StatBucket):
     return stmt
 
 
-def tenants(session: Session) -> list[str]:
-    """Every tenant with statistics or an override (the ones a selection or an edit may name)."""
+# Tenant names come from clients: 10,000 of them is normal. Lists of tenants a page shows are cut at
+# TENANT_LIST_LIMIT (the busiest of the last day of traffic, or those matching a search), never all.
+TENANT_LIST_LIMIT = 100
+BUSIEST_WINDOW = timedelta(days=1)  # "busiest": most tokens in the day before the newest bucket
+
+
+def _distinct(session: Session, column, where=(), limit: int | None = None) -> list[str]:
+    """The distinct values of an indexed column, in order, by one index probe per value (a loose
+    index scan: a DISTINCT would read every row, millions of buckets, on every page)."""
+    out: list[str] = []
+    last = None
+    while limit is None or len(out) < limit:
+        stmt = select(func.min(column)).where(*where)
+        if last is not None:
+            stmt = stmt.where(column > last)
+        last = session.scalar(stmt)
+        if last is None:
+            break
+        out.append(last)
+    return out
+
+
+def newest_bucket(session: Session) -> datetime | None:
+    """The start of the newest statistics bucket (one index probe)."""
+    return session.scalar(select(func.max(StatBucket.bucket_start)))
+
+
+def busiest_tenants(session: Session, limit: int = TENANT_LIST_LIMIT,
+                    window: timedelta = BUSIEST_WINDOW) -> list[str]:
+    """The `limit` tenants with the most tokens in the `window` before the newest bucket (not before
+    now: an idle database still lists who used it), busiest first; aggregated in SQL over that window."""
+    newest = newest_bucket(session)
+    if newest is None:
+        return []
+    tokens = func.sum(StatBucket.tokens + StatBucket.cache_drafts + StatBucket.model_drafts)
+    stmt = (select(StatBucket.tenant).where(StatBucket.bucket_start >= newest - window, StatBucket.tenant != ALL)
+            .group_by(StatBucket.tenant).order_by(tokens.desc(), StatBucket.tenant).limit(limit))
+    return list(session.scalars(stmt))
+
+
+def _prefix(column, text: str):
+    """`column` starts with `text` (a range on the index, unlike LIKE, whose wildcards and case
+    rules differ between backends)."""
+    return (column >= text) & (column < text + "\U0010ffff")
+
+
+def tenants(session: Session, search: str = "", limit: int = TENANT_LIST_LIMIT) -> list[str]:
+    """Tenants a selection or an edit may name, at most `limit`: without `search`, the busiest of the
+    last day of traffic, then those with an active override (at most half the list); with it, the tenants whose name
+    starts with it (with statistics or an override), in name order."""
+    from storage.models import TauOverride
+    from storage.overrides import _active_clause
+
+    if search:
+        names = set(_distinct(session, StatBucket.tenant, [_prefix(StatBucket.tenant, search)], limit))
+        names |= set(_distinct(session, TauOverride.tenant, [_prefix(TauOverride.tenant, search)], limit))
+        return sorted(n for n in names - {ALL} if n.startswith(search))[:limit]
+    busy = busiest_tenants(session, limit)
+    overridden = session.scalars(select(TauOverride.tenant).where(_active_clause(utcnow())).distinct()
+                                 .order_by(TauOverride.tenant).limit(limit))
+    extra = [t for t in overridden if t not in set(busy)][:limit // 2]  # at most half the list
+    return busy[:limit - len(extra)] + extra
+
+
+def tenant_known(session: Session, tenant: str) -> bool:
+    """The tenant has statistics or an override (one index probe each)."""
     from storage.models import TauOverride
 
-    seen = set(session.scalars(select(StatBucket.tenant).distinct())) | set(
-        session.scalars(select(TauOverride.tenant).distinct()))
-    return sorted(seen - {ALL})
+    return any(session.scalar(select(m.id).where(m.tenant == tenant).limit(1)) is not None
+               for m in (StatBucket, TauOverride))
 
 
 def workloads(session: Session) -> list[str]:
-    return sorted(set(session.scalars(select(StatBucket.workload).distinct())) - {ALL})
+    """The workloads with statistics (a handful: the loose index scan reads one index entry each)."""
+    return [w for w in _distinct(session, StatBucket.workload) if w != ALL]
+
+
+# Time series are drawn at most MAX_POINTS points wide: 30 days of 1-minute buckets would be 43,200
+# points per line, too many to send and draw. Buckets are summed (in SQL) into the finest of these.
+BIN_SECONDS = (60, 300, 900, 3600, 4 * 3600, 86400)
+MAX_POINTS = 1500
+
+
+def bucket_resolution(session: Session, scope: Scope = ALL_TIME) -> timedelta:
+    """The time bin of the scope's series: the finest of BIN_SECONDS that draws the span of the
+    scope's buckets (oldest to newest, two index probes) in at most MAX_POINTS bins."""
+    first, last = session.execute(_scoped(select(func.min(StatBucket.bucket_start),
+                                                 func.max(StatBucket.bucket_start)), scope)).one()
+    span = 0.0 if first is None else (last - first).total_seconds()
+    return timedelta(seconds=next((b for b in BIN_SECONDS if span / b <= MAX_POINTS), BIN_SECONDS[-1]))
+
+
+def _time_bin(session: Session, seconds: int):
+    """bucket_start floored to `seconds`, as unix seconds, in SQL (per dialect)."""
+    col = StatBucket.bucket_start
+    if session.get_bind().dialect.name == "sqlite":
+        return func.cast(func.strftime("%s", col), Integer) / seconds * seconds
+    return func.floor(func.extract("epoch", col) / seconds) * seconds
+
+
+def _binned(session: Session, sums: tuple, scope: Scope,
+            resolution: timedelta | None) -> list[tuple[datetime, list[int]]]:
+    """(bin start, its sums) in time order, the scope's buckets summed into `resolution` bins
+    (None: bucket_resolution's); 1-minute bins are the buckets themselves."""
+    seconds = int((resolution or bucket_resolution(session, scope)).total_seconds())
+    if seconds <= BUCKET_SECONDS:
+        return _grouped(session, StatBucket.bucket_start, sums, scope)
+    key = _time_bin(session, seconds).label("bin")
+    stmt = _scoped(select(key, *sums), scope).group_by(key).order_by(key)
+    return [(datetime.fromtimestamp(int(k), timezone.utc), [int(v) for v in vals])
+            for k, *vals in session.execute(stmt)]
 
 
 def _path_row(tokens: int, cycles: int, cache_verified: int, model_drafts: int) -> dict[str, Any]:
@@ -134,10 +235,12 @@ def overview_totals(session: Session, scope: Scope = ALL_TIME) -> dict[str, Any]
     return _path_row(*_totals(session, _PATH_SUMS, scope))
 
 
-def overview_by_bucket(session: Session, scope: Scope = ALL_TIME) -> list[dict[str, Any]]:
-    """Per time bucket: tokens per cycle, cycles per 1000 tokens by decision path."""
+def overview_by_bucket(session: Session, scope: Scope = ALL_TIME,
+                       resolution: timedelta | None = None) -> list[dict[str, Any]]:
+    """Per time bin (bucket_resolution's unless given): tokens per cycle, cycles per 1000 tokens by
+    decision path."""
     return [{"bucket_start": start, **_path_row(*sums)}
-            for start, sums in _grouped(session, StatBucket.bucket_start, _PATH_SUMS, scope)]
+            for start, sums in _binned(session, _PATH_SUMS, scope, resolution)]
 
 
 @dataclass(frozen=True)
@@ -193,10 +296,12 @@ def quality_totals(session: Session, scope: Scope = ALL_TIME) -> dict[str, Any]:
     return _quality(*_totals(session, _CONF_SUMS, scope))
 
 
-def quality_by_bucket(session: Session, scope: Scope = ALL_TIME) -> list[dict[str, Any]]:
-    """Precision/recall of "predicted >= LONG" against "accepted >= LONG", per time bucket."""
+def quality_by_bucket(session: Session, scope: Scope = ALL_TIME,
+                      resolution: timedelta | None = None) -> list[dict[str, Any]]:
+    """Precision/recall of "predicted >= LONG" against "accepted >= LONG", per time bin
+    (bucket_resolution's unless given)."""
     return [{"bucket_start": start, **_quality(*sums)}
-            for start, sums in _grouped(session, StatBucket.bucket_start, _CONF_SUMS, scope)]
+            for start, sums in _binned(session, _CONF_SUMS, scope, resolution)]
 
 
 def quality_by_workload(session: Session, scope: Scope = ALL_TIME) -> list[dict[str, Any]]:
@@ -211,15 +316,23 @@ def quality_by_version(session: Session, scope: Scope = ALL_TIME) -> list[dict[s
 
 
 def accepted_histograms(session: Session, scope: Scope = ALL_TIME) -> list[dict[str, Any]]:
-    """Labelled cache drafts by accepted length (0..24, 24 = 24 or more) per workload (long form)."""
-    stmt = _scoped(select(StatBucket.workload, StatBucket.accepted_hist), scope)
+    """Labelled cache drafts by accepted length (0..24, 24 = 24 or more) per workload (long form),
+    summed in SQL (one row per workload comes back, not one per bucket)."""
     sums: dict[str, list[int]] = {}
-    for wl, hist in session.execute(stmt):
-        if wl == ALL:
-            continue
-        acc = sums.setdefault(wl, [0] * HIST_BINS)
-        for i, n in enumerate(hist or []):
-            acc[min(i, HIST_BINS - 1)] += int(n)
+    if session.get_bind().dialect.name == "sqlite":  # json_extract per element: SQLite's cheapest way
+        bins = _sums(*(StatBucket.accepted_hist[i].as_integer() for i in range(HIST_BINS)))
+        stmt = (_scoped(select(StatBucket.workload, *bins), scope).where(StatBucket.workload != ALL)
+                .group_by(StatBucket.workload))
+        sums = {wl: [int(n) for n in counts] for wl, *counts in session.execute(stmt)}
+    else:  # each array parsed once into (position, count) rows: 25 ->> would parse it 25 times
+        elements = (func.json_array_elements_text(StatBucket.accepted_hist)
+                    .table_valued("value", with_ordinality="ord").render_derived())
+        pos = func.least(elements.c.ord - 1, HIST_BINS - 1).label("pos")
+        stmt = (_scoped(select(StatBucket.workload, pos, func.sum(func.cast(elements.c.value, Integer))), scope)
+                .select_from(StatBucket).join(elements, literal(True))
+                .where(StatBucket.workload != ALL).group_by(StatBucket.workload, pos))
+        for wl, i, n in session.execute(stmt):
+            sums.setdefault(wl, [0] * HIST_BINS)[int(i)] += int(n or 0)
     return [{"workload": wl, "accepted": i, "drafts": n} for wl in sorted(sums) for i, n in enumerate(sums[wl])]
 
 
@@ -275,22 +388,34 @@ def pr_curves(session: Session, scope: Scope = ALL_TIME, grid: Sequence[float] =
     return out
 
 
-def tau_history(session: Session) -> list[dict[str, Any]]:
-    stmt = select(TauHistory).order_by(TauHistory.id)
+TAU_HISTORY_LIMIT = 5000  # tau rows drawn at most (the newest of the window)
+
+
+def tau_history(session: Session, since: datetime | None = None, workload: str | None = None,
+                limit: int = TAU_HISTORY_LIMIT) -> list[dict[str, Any]]:
+    """The automatic tau's changes since `since` (None: all kept, storage.tau_history's 30 days), of
+    one workload or all, oldest first: the newest `limit` of them (read newest first on the index)."""
+    stmt = select(TauHistory).order_by(TauHistory.id.desc()).limit(limit)
+    if since is not None:
+        stmt = stmt.where(TauHistory.at >= since)
+    if workload is not None:
+        stmt = stmt.where(TauHistory.workload == workload)
     return [{"at": r.at, "workload": r.workload, "tau": r.tau, "rule_tau": r.rule_tau, "correction": r.correction,
              "model_mean_accepted": r.model_mean_accepted, "reason": r.reason, "replica": r.replica}
-            for r in session.scalars(stmt)]
+            for r in reversed(list(session.scalars(stmt)))]
 
 
-def effective_taus(session: Session, known_workloads: Sequence[str], now: datetime | None = None) -> list[dict[str, Any]]:
-    """Per tenant (seen in statistics or overrides) x workload: the tau the controller would use and
-    why, resolved exactly as the runtime does (OverrideSnapshot.resolve with the latest auto tau)."""
+def effective_taus(session: Session, known_workloads: Sequence[str], now: datetime | None = None,
+                   names: Sequence[str] | None = None) -> list[dict[str, Any]]:
+    """Per tenant x workload: the tau the controller would use and why, resolved exactly as the runtime
+    does (OverrideSnapshot.resolve with the latest auto tau). Tenants: `names`, else `tenants()`'s
+    (the busiest and those with an active override, at most TENANT_LIST_LIMIT), never all of them."""
     now = utcnow() if now is None else now
     snap = snapshot(session, now=now)
     auto = latest_tau(session)
-    names = set(tenants(session)) | {o.tenant for o in snap.overrides}
+    names = tenants(session) if names is None else names
     out = []
-    for tenant in sorted(names):
+    for tenant in sorted(set(names)):
         for wl in known_workloads:
             eff = snap.resolve(tenant, wl, auto.get(wl), float("nan"), now)
             tau = None if eff.tau is None or math.isnan(eff.tau) else float(eff.tau)
@@ -458,7 +583,9 @@ def health(session: Session, now: datetime | None = None) -> dict[str, Any]:
     return {
         "now": now,
         "decision_events": int(session.scalar(select(func.count()).select_from(DecisionEvent)) or 0),
-        "dropped_events": int(session.scalar(select(*_sums(StatBucket.dropped_events))) or 0),
+        # dropped events are counted under tenant "*" only (storage.stats.add_dropped): an index range
+        "dropped_events": int(session.scalar(select(*_sums(StatBucket.dropped_events))
+                                             .where(StatBucket.tenant == ALL)) or 0),
         "drift_events": int(session.scalar(select(func.count()).select_from(DriftEvent)) or 0),
         "last_event_at": session.scalar(select(func.max(DecisionEvent.at))),
         "last_bucket_at": session.scalar(select(func.max(StatBucket.bucket_start))),
@@ -504,7 +631,16 @@ def learner_lag(session: Session, replicas: list[dict[str, Any]], now: datetime)
     elif behind > LEARNER_STALE_EVENTS:
         state = "stale"
     return {"replica": r["replica"], "state": state, "lag_events": behind, "lag_seconds": seconds,
-            "cursor": cursor, "cursor_at": cursor_at, "why": why}
+            "cursor": cursor, "cursor_at": cursor_at, "why": why, "tenant_scopes": tenant_scopes(x["progress"])}
+
+
+def tenant_scopes(progress: dict[str, Any]) -> dict[str, int] | None:
+    """The learner's calibration tenant scopes as its heartbeat reports them (held, cap, evicted since
+    it started), or None from a learner that does not report them (an older replica)."""
+    try:
+        return {k: int(progress[f"tenant_{k}"]) for k in ("scopes", "scope_cap", "scopes_evicted")}
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 CHAMPION_NOT_LOADED = "champion not loaded: "  # how the control poller reports it (its last_error)

@@ -126,6 +126,19 @@ class HvdMetrics:
             "total = the whole step); every step observes every part, zero included, so sum / count is the "
             "part's cost per step", ("part",), buckets=STEP_BUCKETS, registry=registry)
         self._step_parts = tuple(self.step_time.labels(p) for p in SUMMARY_PARTS)  # PARTS, then "total"
+        # Per-tenant state is capped everywhere; what the caps hold and forget is visible here.
+        self.metric_tenants = Gauge(
+            "hvd_metric_tenants", f"Tenant names with their own label in this process's hvd_* series (at most "
+            f"{max_tenants}; later tenants are counted under \"{OTHER_TENANT}\")", registry=registry,
+            multiprocess_mode="max")
+        self.calibration_tenant_scopes = Gauge(
+            "hvd_calibration_tenant_scopes", "Tenant scopes the leading learner's fast calibration holds (at most "
+            "its cap, CalibrationConfig.max_tenant_scopes; the whole-workload scopes are not counted)",
+            registry=registry, multiprocess_mode="max")
+        self.calibration_tenant_scopes_evicted = Counter(
+            "hvd_calibration_tenant_scopes_evicted", "Tenant scopes the learner's fast calibration forgot (the "
+            "longest unseen, with their window of drafts) to stay within its cap", registry=registry)
+        self._evicted_seen = 0
         self._tenants: set[str] = set()
         self._series: dict[tuple[str, str], _Series] = {}
         self._tau: dict[str, Gauge] = {}  # a workload's series from its first tau on (none: not 0)
@@ -149,8 +162,22 @@ class HvdMetrics:
         with self._lock:
             if tenant in self._tenants or len(self._tenants) < self.max_tenants:
                 self._tenants.add(tenant)
+                self.metric_tenants.set(len(self._tenants))
                 return tenant
         return OTHER_TENANT
+
+    def calibration_scopes(self, scopes: int, evicted: int) -> None:
+        """The learner's Calibrator: tenant scopes held now, and evicted since it started (its
+        `evicted`, a running total: the counter adds what is new since the last call)."""
+        with self._lock:
+            self.calibration_tenant_scopes.set(scopes)
+            if evicted > self._evicted_seen:
+                self.calibration_tenant_scopes_evicted.inc(evicted - self._evicted_seen)
+            self._evicted_seen = evicted
+
+    def tenant_labels(self) -> int:
+        """Tenant names with their own label (at most max_tenants)."""
+        return len(self._tenants)
 
     def _of(self, workload: str, tenant: str) -> _Series:
         key = (workload, self.tenant_label(tenant))

@@ -60,6 +60,7 @@ class ServiceStack:
     poller: ControlPoller
     learner: LearnerService | None
     step_costs: StepCostWriter | None = None  # what the engine's steps cost, per minute (None: not recorded)
+    metrics: HvdMetrics | None = None  # the runtime's Prometheus metrics (the learner's tenant state goes there too)
 
     @classmethod
     def build(cls, engine: Engine, decision: DecisionConfig, token_classes: TokenClasses, *, replica: str,
@@ -84,7 +85,7 @@ class ServiceStack:
             lock = make_leader_lock(engine, "learner", replica) if leader_lock else None
             service = LearnerService(engine, decision, learner_config, replica=replica, lock=lock, start_at_end=True)
         costs = StepCostWriter(engine, replica, flush_interval=step_cost_interval) if step_costs else None
-        stack = cls(runtime, stats, writer, poller, service, costs)
+        stack = cls(runtime, stats, writer, poller, service, costs, metrics)
         writer.services = stack.health  # the heartbeat row carries every service's state
         return stack
 
@@ -153,4 +154,23 @@ class ServiceStack:
         self.poller.poll_once()
 
     def health(self) -> list[Health]:
-        return [s.health() for s in self.services()]
+        """Every service's state, for the heartbeat row; the learner's tenant scopes go to the metrics
+        at the same pace (every heartbeat), so the round itself does nothing more."""
+        out = [s.health() for s in self.services()]
+        if self.metrics is not None and self.learner is not None:
+            cal = self.learner.calibrator
+            self.metrics.calibration_scopes(cal.tenant_scopes(), cal.evicted)
+        return out
+
+    def tenant_state(self) -> dict[str, int]:
+        """How many entries each per-tenant structure of this process holds (each is capped or
+        flushed): the learner's calibration tenant scopes (and how many it evicted), the statistics
+        writer's pending buckets, the metrics' tenant labels, the runtime's per-(tenant, workload)
+        step tally and the fast corrections the control poller handed the runtime."""
+        cal = None if self.learner is None else self.learner.calibrator
+        return {"calibration_tenant_scopes": 0 if cal is None else cal.tenant_scopes(),
+                "calibration_scopes_evicted": 0 if cal is None else cal.evicted,
+                "stats_pending_buckets": self.stats.pending_keys(),
+                "metric_tenant_labels": 0 if self.metrics is None else self.metrics.tenant_labels(),
+                "runtime_step_tally": len(self.runtime._emitted),
+                "served_corrections": len(self.runtime.snapshot.controls.calibrations)}

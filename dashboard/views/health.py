@@ -12,6 +12,8 @@ from dashboard.charts import segments, tooltip
 from dashboard.common import (admin_sidebar, data_as_of, engine_or_stop, fmt, fmt_age, fmt_bytes, fmt_ts,
                               plain, read_session, stop_if_empty)
 from storage import dashboard_queries as q
+from storage.stats import KEEP_STAT_DAYS
+from storage.tau_history import KEEP_TAU_DAYS, KEEP_TAU_ROWS
 
 STATE_MARK = {"ok": "ok", "stale": "STALE", "down": "DOWN", "shut down": "shut down"}
 # The parts of a step drawn and tabled, in storage.step_costs.STEP_PARTS order, each with one colour.
@@ -182,3 +184,18 @@ if drifts:
         st.caption(f"... and {len(drifts) - 20:,} older drift events.")
 else:
     st.info("No drift detected.")
+
+st.subheader("Per-tenant state")
+scopes = lag.get("tenant_scopes")
+st.dataframe(pd.DataFrame([
+    {"What": "Calibration tenant scopes (leading learner)",
+     "Held": "n/a" if scopes is None else fmt(scopes["scopes"]),
+     "Bound": "n/a" if scopes is None else f"at most {fmt(scopes['scope_cap'])}",
+     "Forgotten": "n/a" if scopes is None else f"{fmt(scopes['scopes_evicted'])} evicted (longest unseen first)"},
+    {"What": "Statistics buckets", "Held": "", "Bound": f"{KEEP_STAT_DAYS} days",
+     "Forgotten": "older buckets deleted by each replica's statistics writer"},
+    {"What": "Automatic tau history", "Held": "", "Bound": f"{KEEP_TAU_DAYS} days, at most {fmt(KEEP_TAU_ROWS)} rows",
+     "Forgotten": "older rows deleted by the learner"},
+]), hide_index=True, width="stretch")
+st.caption("Tenant names come from clients: every structure that grows with them is bounded. Prometheus: "
+           "hvd_calibration_tenant_scopes, hvd_calibration_tenant_scopes_evicted_total, hvd_metric_tenants.")

@@ -3,13 +3,12 @@ model drafter alone on the same traffic, and where the decode cycles went."""
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 import altair as alt
 import pandas as pd
 import streamlit as st
 
-from dashboard.charts import segments, tooltip
+from dashboard.charts import bin_words, segments, tooltip
 from dashboard.common import (PRICED_BATCH, SERVING_COST_PROFILE, SERVING_DRAFTER, admin_sidebar, data_as_of,
                               engine_or_stop, fmt, page_scope, read_session, stop_if_empty)
 from predictor.decision.profiles import cost_profiles, drafter_profiles
@@ -19,7 +18,6 @@ from storage import dashboard_queries as q
 # What the serving replicas price with: what is set, else their defaults.
 DEFAULT_COST_PROFILE = os.environ.get("HVD_COST_PROFILE") or SERVING_COST_PROFILE
 DEFAULT_DRAFTER = os.environ.get("HVD_DRAFTER_PROFILE") or SERVING_DRAFTER
-BUCKET = timedelta(minutes=1)
 
 st.title("Overview")
 admin_sidebar()
@@ -28,7 +26,8 @@ with read_session(engine) as s:
     stop_if_empty(s)
     scope = page_scope(s)
     totals = q.overview_totals(s, scope)
-    rows = q.overview_by_bucket(s, scope)
+    resolution = q.bucket_resolution(s, scope)
+    rows = q.overview_by_bucket(s, scope, resolution)
     counts = q.served_counts(s, scope)
     drafts = q.cache_drafts(s, scope)
 data_as_of(scope)
@@ -102,15 +101,16 @@ if not rows:
 
 df = pd.DataFrame(rows)
 df["bucket_start"] = pd.to_datetime(df["bucket_start"], utc=True)
-df = segments(df, "bucket_start", BUCKET)
+df = segments(df, "bucket_start", resolution)
 st.subheader("Tokens per decode cycle")
 st.altair_chart(alt.Chart(df).mark_line(point=True).encode(
-    x=alt.X("bucket_start:T", title="Time bucket start (UTC, 1-minute buckets)"),
+    x=alt.X("bucket_start:T", title=f"Time bucket start (UTC, {bin_words(resolution)} buckets)"),
     y=alt.Y("tokens_per_cycle:Q", title="Tokens per decode cycle (tokens/cycle)"),
     detail="segment:N",
     tooltip=[tooltip("bucket_start:T", "Bucket start (UTC)"), tooltip("tokens_per_cycle:Q", "Tokens per cycle", ".3f"),
              tooltip("tokens:Q", "Tokens", ",d"), tooltip("cycles:Q", "Cycles", ",d")]), width="stretch")
-st.caption("Good: well above 1 token/cycle and steady; 1.0 means speculation buys nothing. Idle minutes are gaps.")
+st.caption("Good: well above 1 token/cycle and steady; 1.0 means speculation buys nothing. Idle buckets are gaps; "
+           "the statistics' 1-minute buckets are summed into longer ones when the selection spans more than a day.")
 
 paths = df.melt(id_vars=["bucket_start"], value_vars=["cycles_per_1k_cache", "cycles_per_1k_model", "cycles_per_1k_none"],
                 var_name="path", value_name="cycles_per_1k_tokens")

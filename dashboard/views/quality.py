@@ -2,13 +2,11 @@
 calibration, accepted-length histograms."""
 from __future__ import annotations
 
-from datetime import timedelta
-
 import altair as alt
 import pandas as pd
 import streamlit as st
 
-from dashboard.charts import segments, tooltip, workload_color
+from dashboard.charts import bin_words, segments, tooltip, workload_color
 from dashboard.common import (admin_sidebar, data_as_of, engine_or_stop, fmt, page_scope, read_session,
                               stop_if_empty)
 from storage import dashboard_queries as q
@@ -22,7 +20,8 @@ with read_session(engine) as s:
     scope = page_scope(s)
     totals = q.quality_totals(s, scope)
     per_workload = q.quality_by_workload(s, scope)
-    by_bucket = q.quality_by_bucket(s, scope)
+    resolution = q.bucket_resolution(s, scope)
+    by_bucket = q.quality_by_bucket(s, scope, resolution)
     by_version = q.quality_by_version(s, scope)
     hist = q.accepted_histograms(s, scope)
     calib = q.calibration(s, scope)
@@ -56,17 +55,17 @@ if by_bucket:
     df = pd.DataFrame(by_bucket)
     df["bucket_start"] = pd.to_datetime(df["bucket_start"], utc=True)
     long = df.melt(id_vars=["bucket_start"], value_vars=["precision", "recall"], var_name="metric").dropna()
-    long = segments(long, "bucket_start", timedelta(minutes=1), by="metric")
+    long = segments(long, "bucket_start", resolution, by="metric")
     st.subheader("Precision and recall over time")
     st.altair_chart(alt.Chart(long).mark_line(point=True).encode(
-        x=alt.X("bucket_start:T", title="Time bucket start (UTC)"),
+        x=alt.X("bucket_start:T", title=f"Time bucket start (UTC, {bin_words(resolution)} buckets)"),
         y=alt.Y("value:Q", title=f"Fraction of cache drafts (0-1, long = accepted ≥ {LONG})",
                 scale=alt.Scale(domain=[0, 1])),
         color=alt.Color("metric:N", title="Metric"), detail="segment:N",
         tooltip=[tooltip("bucket_start:T", "Bucket start (UTC)"), tooltip("metric:N", "Metric"),
                  tooltip("value:Q", "Value", ".3f")]), width="stretch")
     st.caption("Good: both high and flat; a drop in either after a promotion or a traffic change means drift. "
-               "Idle minutes are gaps.")
+               "Idle buckets are gaps.")
 
 if curves:
     cdf = pd.DataFrame(curves).dropna(subset=["precision", "recall"])

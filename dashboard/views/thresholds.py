@@ -29,10 +29,11 @@ admin = admin_sidebar()
 engine = engine_or_stop()
 with read_session(engine) as s:
     scope = page_scope(s) if not q.is_empty(s) else q.ALL_TIME
-    history = q.tau_history(s)
+    history = q.tau_history(s, since=scope.since, workload=scope.workload)
     live = q.latest_tau(s)
-    effective = q.effective_taus(s, WORKLOADS)
-    tenants = q.tenants(s)
+    tenants = q.tenants(s)  # the busiest and those with an active override: at most q.TENANT_LIST_LIMIT
+    shown = tenants if scope.tenant is None or scope.tenant in tenants else [*tenants, scope.tenant]
+    effective = q.effective_taus(s, WORKLOADS, names=shown)
     active = [o for o in q.overrides_audit(s) if o["state"] == "active"]
 data_as_of(scope)
 if FLASH in st.session_state:
@@ -44,10 +45,6 @@ for col, (wl, tau) in zip(m, sorted(live.items())):
 if history:
     hdf = pd.DataFrame(history)
     hdf["at"] = pd.to_datetime(hdf["at"], utc=True)
-    if scope.workload:
-        hdf = hdf[hdf["workload"] == scope.workload]
-    if scope.since is not None:
-        hdf = hdf[hdf["at"] >= pd.Timestamp(scope.since)]
     hdf = segments(hdf, "at", IDLE_GAP, by="workload")
     st.subheader("Automatic tau per workload")
     st.altair_chart(alt.Chart(hdf).mark_line(point=True, interpolate="step-after").encode(
@@ -58,7 +55,9 @@ if history:
                  tooltip("rule_tau:Q", "Rule tau", ".3f"), tooltip("correction:Q", "Learned correction", "+.3f"),
                  tooltip("reason:N", "Why")]), width="stretch")
     st.caption("Good: tau moves smoothly with load and acceptance; oscillation or a pinned extreme needs a look. "
-               f"Rows more than {int(IDLE_GAP.total_seconds() // 60)} min apart are drawn as separate runs.")
+               f"Rows more than {int(IDLE_GAP.total_seconds() // 60)} min apart are drawn as separate runs"
+               + (f"; the newest {q.TAU_HISTORY_LIMIT:,} changes of the selection are drawn"
+                  if len(history) >= q.TAU_HISTORY_LIMIT else "") + ". The history is kept 30 days.")
 else:
     st.info("No automatic tau recorded yet: the learner writes tau_history while `hvd serve` runs.")
 
@@ -76,7 +75,9 @@ if effective:
                  column_config={"Effective tau": st.column_config.NumberColumn(format="%.3f"),
                                 "Expires (UTC)": st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")})
     st.caption("Source: override:tenant+workload > override:tenant > auto (latest tau_history) > default "
-               "(the allocator's per-step plan); the same resolution the controller runs.")
+               "(the allocator's per-step plan); the same resolution the controller runs. Tenants: the "
+               f"{q.TENANT_LIST_LIMIT} busiest of the last day of traffic, those with an active override and the "
+               "one selected in the sidebar (find any other there).")
 else:
     st.info("No tenants seen yet.")
 
@@ -89,10 +90,12 @@ action = st.radio("Change", ["Set an override", "Clear an override"], horizontal
                   disabled=disabled)
 c = st.columns(3)
 if action == "Set an override":
-    choice = c[0].selectbox("Tenant", [*tenants, NEW_TENANT], key="set_tenant_pick", disabled=disabled,
-                            help="Known tenants (with traffic or overrides); a new one is an explicit choice.")
+    choice = c[0].selectbox("Tenant", [*shown, NEW_TENANT], key="set_tenant_pick", disabled=disabled,
+                            help=f"The {q.TENANT_LIST_LIMIT} busiest tenants, those with an override and the one "
+                                 "selected in the sidebar; any other by name through the last choice.")
     new_name = (c[0].text_input("New tenant name", key="set_tenant", disabled=disabled,
-                                help="A tenant that has not sent traffic yet.") if choice == NEW_TENANT else "")
+                                help="A tenant not listed: a quiet one, or one that has not sent traffic yet.")
+                if choice == NEW_TENANT else "")
     tenant = new_name if choice == NEW_TENANT else choice
     workload = c[1].selectbox("Workload", [ALL, *WORKLOADS], key="set_workload", disabled=disabled)
     mode = c[2].selectbox("Mode", MODES, key="set_mode", disabled=disabled, format_func=lambda m: f"{m}: {MODE_HELP[m]}")
@@ -126,7 +129,7 @@ if st.button("Review change", key="review", disabled=disabled):
             tau_max=None if tau_max is None else float(tau_max),
             expires_at=now + timedelta(hours=float(hours)) if hours > 0 else None,
             author=admin.name, reason=reason.strip())
-        if choice == NEW_TENANT and spec.tenant in tenants:
+        if choice == NEW_TENANT and spec.tenant in shown:
             st.info(f"Tenant '{plain(spec.tenant)}' is already known; the override applies to it.")
         try:
             with read_session(engine) as s:
