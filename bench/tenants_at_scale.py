@@ -5,7 +5,7 @@ replica's memory with 10,000 tenants sent through it.
    with 10,000 tenants x 30 days of 1-minute stat_buckets at the density below, 30 days of tau
    history, active overrides, decision events and a champion, then times each dashboard page's
    queries (as the page runs them: the default selection, every tenant over the last day of traffic;
-   and one tenant, 7 days, all 30 days) and renders each page
+   then one tenant, then all 30 days) and renders each page
    in Chromium (`streamlit run dashboard/app.py`, helpers of tests/test_dashboard_browser.py),
    timed from navigation until the page's content shows and the script run has finished.
    Goal: < 5 s per page.
@@ -79,21 +79,24 @@ def tenant_name(i: int) -> str:
 
 
 def bucket_rows(tenants: int, days: int, active: float, seed: int = 0) -> Iterator[tuple]:
-    """The stat_buckets rows of the fill (as SQLite stores them: naive UTC text), tenant by tenant."""
+    """The stat_buckets rows of the fill (as SQLite stores them: naive UTC text), in time order."""
     rng = np.random.default_rng(seed)
     minutes = days * MINUTES_PER_DAY
     start = NOW - timedelta(minutes=minutes)
     hists = [json.dumps([int(x) for x in rng.multinomial(20, np.r_[[0.4, 0.15, 0.1], np.full(HIST_BINS - 3, 0.35 / (HIST_BINS - 3))])])
              for _ in range(64)]
-    for i, k in enumerate(periods(tenants, active)):
-        name, workload = tenant_name(i), WORKLOADS[i % len(WORKLOADS)]
-        ms = np.arange(int(rng.integers(0, k)), minutes, k)
-        tokens = rng.integers(50, 2000, len(ms))
-        for m, tok in zip(ms.tolist(), tokens.tolist()):
-            at = start + timedelta(minutes=m)
-            cycles = tok // 2
-            yield (at.strftime("%Y-%m-%d %H:%M:%S.000000"), name, workload, 1 + m // (VERSION_DAYS * MINUTES_PER_DAY),
-                   20, cycles // 3, cycles // 4, tok // 3, tok // 4, hists[m % 64], 3, 2, 1, 14, tok, cycles, 0)
+    ks = periods(tenants, active)
+    per = [np.arange(int(rng.integers(0, k)), minutes, k) for k in ks]
+    ms = np.concatenate(per)
+    ts = np.concatenate([np.full(len(m), i) for i, m in enumerate(per)])
+    order = np.argsort(ms, kind="stable")  # minute by minute, as the statistics writers insert them
+    tokens = rng.integers(50, 2000, len(ms))
+    for m, i, tok in zip(ms[order].tolist(), ts[order].tolist(), tokens.tolist()):
+        at = start + timedelta(minutes=m)
+        cycles = tok // 2
+        yield (at.strftime("%Y-%m-%d %H:%M:%S.000000"), tenant_name(i), WORKLOADS[i % len(WORKLOADS)],
+               1 + m // (VERSION_DAYS * MINUTES_PER_DAY),
+               20, cycles // 3, cycles // 4, tok // 3, tok // 4, hists[m % 64], 3, 2, 1, 14, tok, cycles, 0)
 
 
 BUCKET_COLUMNS = ("bucket_start", "tenant", "workload", "predictor_version_id", "cache_drafts", "cache_verified",
@@ -194,7 +197,8 @@ def fill_postgres(admin_url: str, tenants: int, days: int, active: float) -> tup
                    (ARRAY{list(WORKLOADS)!r})[i % {len(WORKLOADS)} + 1], 1 + m / {VERSION_DAYS * MINUTES_PER_DAY},
                    20, tok / 6, tok / 8, tok / 3, tok / 4, CAST(:hist AS json), 3, 2, 1, 14, tok, tok / 2, 0
             FROM bench_k, generate_series(off, {minutes - 1}, k) AS m,
-                 LATERAL (SELECT 50 + ((i * 7919 + m * 104729) % 1950) AS tok) t"""),
+                 LATERAL (SELECT 50 + ((i * 7919 + m * 104729) % 1950) AS tok) t
+            ORDER BY m, i"""),
             {"start": NOW - timedelta(minutes=minutes), "hist": hist})
         conn.execute(text("INSERT INTO stat_buckets (" + ",".join(BUCKET_COLUMNS) + ") VALUES "
                           "(:at, '*', '*', 0, 0, 0, 0, 0, 0, CAST(:h AS json), 0, 0, 0, 0, 0, 0, 7)"),
@@ -369,7 +373,7 @@ def memory_child(tenants: int, requests: int, chars: int) -> dict:
     from predictor.gate.registry import store_champion
     from support.gates import random_survival_gate
 
-    records = round_robin_sources(load_traces(bundled_traces_path()))
+    records = round_robin_sources(load_traces([bundled_traces_path()])[0])
     records = [dataclasses.replace(r, output=r.output[:chars], tenant=tenant_name(i % tenants))
                for i, r in enumerate((records * (1 + requests // len(records)))[:requests])]
     serve_traces.tenant_of = lambda n: (lambda r: r.tenant)  # each request's own tenant, not a hash of 3
@@ -437,7 +441,6 @@ def report_db(name: str, url: str, rows: int, fill_s: float, reps: int, browser:
     day = NOW - timedelta(days=1)  # the default range: the last day of traffic (the fill ends at NOW)
     for label, scope in (("last day of traffic (the default)", q.Scope(since=day)),
                          ("one tenant, last day", q.Scope(tenant=tenant_name(42), since=day)),
-                         ("last 7 days", q.Scope(since=NOW - timedelta(days=7))),
                          ("all time (30 days)", q.ALL_TIME)):
         times = time_queries(url, reps, scope)
         print(f"    queries per page, {label}: " + ", ".join(f"{p} {t}" for p, t in times.items()))
@@ -456,10 +459,11 @@ def main() -> int:
     ap.add_argument("--active", type=float, default=60.0, help="tenants active in a minute, on average (60)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--requests", type=int, default=10_000, help="requests served in the memory run (10,000)")
-    ap.add_argument("--chars", type=int, default=120, help="characters of each request's output served (120)")
+    ap.add_argument("--chars", type=int, default=40, help="characters of each request's output served (40)")
     ap.add_argument("--no-browser", action="store_true")
     ap.add_argument("--no-postgres", action="store_true")
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--no-dashboard", action="store_true", help="the memory run only")
     ap.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.memory_child is not None:
@@ -468,10 +472,11 @@ def main() -> int:
 
     print(f"{args.tenants:,} tenants x {args.days} days of 1-minute statistics, {args.active:g} tenants active per "
           f"minute on average ({args.reps} repetitions: median (min-max))")
-    with tempfile.TemporaryDirectory() as tmp:
-        url, rows, fill_s = fill_sqlite(Path(tmp) / "tenants.db", args.tenants, args.days, args.active)
-        report_db("SQLite", url, rows, fill_s, args.reps, not args.no_browser)
-    if not args.no_postgres:
+    if not args.no_dashboard:
+        with tempfile.TemporaryDirectory() as tmp:
+            url, rows, fill_s = fill_sqlite(Path(tmp) / "tenants.db", args.tenants, args.days, args.active)
+            report_db("SQLite", url, rows, fill_s, args.reps, not args.no_browser)
+    if not args.no_postgres and not args.no_dashboard:
         from sqlalchemy import create_engine, text
 
         try:
