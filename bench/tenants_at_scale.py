@@ -444,7 +444,9 @@ def report_db(name: str, url: str, rows: int, fill_s: float, reps: int, browser:
                          ("all time (30 days)", q.ALL_TIME)):
         times = time_queries(url, reps, scope)
         print(f"    queries per page, {label}: " + ", ".join(f"{p} {t}" for p, t in times.items()))
-    if browser:
+    if browser and not Path("/usr/bin/chromium").exists():
+        print("    rendered in Chromium: skipped, /usr/bin/chromium is absent (`make chromium` installs it)")
+    elif browser:
         pages = time_pages(url, reps)
         worst = max(t.median for t in pages.values())
         print("    rendered in Chromium (navigation to content shown): "
