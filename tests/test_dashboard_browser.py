@@ -290,3 +290,28 @@ def test_pages_refresh_themselves(app_url, browser):
             " return m && m[1] !== first; }", arg=first, timeout=90_000)
     finally:
         page.close()
+
+
+def test_thresholds_page_renders_with_10000_tenants(tmp_path, browser):
+    """10,000 tenants (2 days of statistics at bench/tenants_at_scale.py's density): the Thresholds page,
+    which lists tenants, renders with the busiest 100 and a search that finds a quiet one. No timing
+    here: bench/tenants_at_scale.py measures it."""
+    from tenants_at_scale import fill_sqlite, render_page, streamlit_app
+
+    url, rows, _ = fill_sqlite(tmp_path / "tenants.db", 10_000, 2, 60.0)
+    assert rows > 150_000
+    with streamlit_app(url) as base:
+        assert render_page(browser, base, "thresholds", timeout_ms=180_000) > 0
+        page = browser.new_page(viewport={"width": 1440, "height": 900})
+        try:
+            open_page(page, f"{base}/thresholds?tenant=tenant-09999", "Override audit")
+            # a quiet tenant (not among the busiest 100) named in a link is known, and shown
+            assert "The link names tenant" not in page.inner_text("body")
+            assert "Showing tenant tenant-09999" in page.inner_text("body")
+            search = page.get_by_label("Find a tenant", exact=True)
+            search.fill("tenant-0999")
+            search.press("Enter")
+            rendered(page, 180_000)
+            assert "Showing tenant tenant-09999" in page.inner_text("body")
+        finally:
+            page.close()
