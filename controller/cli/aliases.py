@@ -50,7 +50,7 @@ def rollback(args: argparse.Namespace, engine) -> int:
     from predictor.gate.registry import alias_of, rollback_alias
     from storage.engine import session_scope
 
-    name = alias_of(args.workload)
+    name = alias_of(getattr(args, "workload", None))
     with session_scope(engine) as session:
         # refuses an unloadable blob, a pinned alias, and one someone moved since it was read in here
         before, after = rollback_alias(session, name, reason=args.reason, actor=args.author, to=args.to)

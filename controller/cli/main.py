@@ -609,6 +609,7 @@ def _profile(args: argparse.Namespace) -> int:
                                       out=args.out, prior=args.prior, preload=not args.no_preload))
 
 
+_rollback = cli_aliases.rollback  # `hvd rollback`, as callers in Python name it
 _WITHOUT_DATABASE = {"profile": _profile}  # commands that neither open nor migrate the database
 _COMMANDS = {"warmstart": _warmstart, "eval": _eval, "serve": _serve, "versions": _versions, "migrate": _migrate,
              "override": cli_overrides.run, "scenario": _scenario, "learn": _learn, **cli_aliases.COMMANDS}
