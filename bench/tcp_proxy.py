@@ -2,7 +2,10 @@
 so tests and the outage bench simulate an outage without stopping the shared server.
 
 `cut()` resets every open connection and refuses new ones (as a server that went away); `restore()`
-forwards again. The URL to give the code under test is `proxy.url(real_url)`.
+forwards again. `partition()` drops the traffic silently instead (as a network that went away):
+nothing is reset, bytes already sent stay unread in the kernel's buffers and new connections hang
+unanswered; `heal()` delivers them and forwards again, as TCP does once its retransmissions get
+through. The URL to give the code under test is `proxy.url(real_url)`.
 
 Its one home: bench/outage.py imports it as its sibling, the tests (tests/test_faults.py,
 tests/test_soak.py) through pytest's `pythonpath = ["bench"]` (pyproject.toml).
@@ -35,6 +38,8 @@ class TcpProxy:
     def __init__(self, host: str, port: int) -> None:
         self.target = (host, port)
         self.up = True
+        self._flowing = threading.Event()  # cleared while partitioned
+        self._flowing.set()
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
         self._server = socket.create_server(("127.0.0.1", 0))
@@ -61,6 +66,12 @@ class TcpProxy:
         with self._lock:
             self.up = True
 
+    def partition(self) -> None:
+        self._flowing.clear()
+
+    def heal(self) -> None:
+        self._flowing.set()
+
     def close(self) -> None:
         self._closed = True
         self.cut()
@@ -75,24 +86,29 @@ class TcpProxy:
             if not self.up:
                 _reset(client)
                 continue
-            try:
-                upstream = socket.create_connection(self.target, timeout=5)
-                upstream.settimeout(None)
-            except OSError:
+            threading.Thread(target=self._connect, args=(client,), daemon=True).start()
+
+    def _connect(self, client: socket.socket) -> None:
+        self._flowing.wait()  # partitioned: the connection hangs, unanswered
+        try:
+            upstream = socket.create_connection(self.target, timeout=5)
+            upstream.settimeout(None)
+        except OSError:
+            _reset(client)
+            return
+        with self._lock:
+            if not self.up:
                 _reset(client)
-                continue
-            with self._lock:
-                if not self.up:
-                    _reset(client)
-                    _reset(upstream)
-                    continue
-                self._open |= {client, upstream}
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+                _reset(upstream)
+                return
+            self._open |= {client, upstream}
+        for a, b in ((client, upstream), (upstream, client)):
+            threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
-            while data := src.recv(65536):
+            while self._flowing.wait() and (data := src.recv(65536)):
+                self._flowing.wait()  # what was read as the partition began is held until it heals
                 dst.sendall(data)
         except OSError:
             pass
@@ -119,7 +135,8 @@ def main() -> None:
     proxy = TcpProxy(sys.argv[1], int(sys.argv[2]))
     print(proxy.port, flush=True)
     for line in sys.stdin:
-        {"cut": proxy.cut, "restore": proxy.restore}.get(line.strip(), lambda: None)()
+        {"cut": proxy.cut, "restore": proxy.restore, "partition": proxy.partition,
+         "heal": proxy.heal}.get(line.strip(), lambda: None)()
         print("ok", flush=True)
     proxy.close()
 
@@ -149,6 +166,12 @@ class ProxyProcess:
 
     def restore(self) -> None:
         self._say("restore")
+
+    def partition(self) -> None:
+        self._say("partition")
+
+    def heal(self) -> None:
+        self._say("heal")
 
     def close(self) -> None:
         self._proc.stdin.close()

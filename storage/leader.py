@@ -8,12 +8,12 @@ database's (``clock_timestamp()`` on PostgreSQL; on SQLite, a file on this host,
 so the replicas' clocks do not matter. Each change of hands (or a lapse) starts a new term: `epoch`
 goes up by one.
 
-Fencing: every transaction the leader writes ends with `fence(session)`, an ``UPDATE`` of its own
+Fencing: every transaction the leader writes (`transaction()`) ends with `fence(session)`, an ``UPDATE`` of its own
 lease row that matches only while the row still holds this leader's epoch and has not lapsed. It
 fails the transaction otherwise (LeadershipLost), and while it holds the row lock no one can take
-the lease, so a leader's writes commit inside its own term or not at all. On PostgreSQL the fenced
+the lease, so a leader's writes commit inside its own term or not at all. On PostgreSQL a leader's
 transaction also bounds how long it can sit idle (`FENCED_IDLE_S`): the server ends a session that
-went silent (a partitioned leader), which releases the row.
+went silent (a partitioned leader), which releases the rows it locked.
 
 Takeover bound: a follower polling every `interval` seconds leads at most
 ttl + FENCED_IDLE_S + interval after the old leader's last renewal (10 + 5 + 0.5 s by default), and
@@ -26,7 +26,8 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -67,6 +68,93 @@ class LeaderLock:
         raise NotImplementedError
 
     def fence(self, session: Session) -> None:
+        raise NotImplementedError
+
+    def transaction(self) -> AbstractContextManager[Session]:
+        raise NotImplementedError
+
+    @property
+    def is_leader(self) -> bool:
+        raise NotImplementedError
+
+    def __enter__(self) -> "LeaderLock":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _db_now(dialect: str) -> Any:
+    """Now, by the database's clock where it has one that every replica shares."""
+    return func.clock_timestamp() if dialect == "postgresql" else utcnow()
+
+
+def _db_later(dialect: str, seconds: float) -> Any:
+    if dialect == "postgresql":
+        return func.clock_timestamp() + func.make_interval(0, 0, 0, 0, 0, 0, seconds)
+    return utcnow() + timedelta(seconds=seconds)
+
+
+class LeaseLeaderLock(LeaderLock):
+    def __init__(self, engine: Engine, name: str, holder: str | None = None, ttl: float = 10.0,
+                 auto_renew: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: the monotonic seconds the lease's local validity is measured in (tests pass a fake
+        one to expire a lease without waiting for it). The row's expires_at is the database's time."""
+        if not ttl > 0:
+            raise ValueError(f"ttl must be > 0 seconds, got {ttl}")
+        self.engine = engine
+        self.name = name
+        self.holder = holder or default_holder()
+        self.ttl = ttl
+        self.auto_renew = auto_renew
+        self.clock = clock
+        self.epoch = 0  # the term this process holds (0: none yet)
+        self._dialect = engine.dialect.name
+        self._valid_until = 0.0  # on self.clock; the lease is surely ours before this
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def is_leader(self) -> bool:
+        return self.clock() < self._valid_until
+
+    def _take(self) -> bool:
+        """One atomic statement per step, each committed as it runs (AUTOCOMMIT): a process cut off
+        from the database mid-renewal leaves no transaction holding the lease row."""
+        started = self.clock()  # conservative: the lease runs from before the statement
+        now, expires = _db_now(self._dialect), _db_later(self._dialect, self.ttl)
+        ours = (Lease.holder == self.holder) & (Lease.epoch == self.epoch) & (Lease.expires_at >= now)
+        try:
+            with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                epoch = conn.execute(
+                    update(Lease)
+                    .where(Lease.name == self.name, (Lease.expires_at < now) | (Lease.holder == self.holder))
+                    .values(holder=self.holder, expires_at=expires,
+                            epoch=case((ours, Lease.epoch), else_=Lease.epoch + 1))  # a new term unless renewing ours
+                    .returning(Lease.epoch)).scalar()
+                if epoch is None and conn.scalar(select(Lease.name).where(Lease.name == self.name)) is None:
+                    conn.execute(insert(Lease).values(name=self.name, holder=self.holder, expires_at=expires, epoch=1))
+                    epoch = 1
+        except (IntegrityError, SQLAlchemyError):  # IntegrityError: another process inserted the row first
+            epoch = None
+        self.epoch = 0 if epoch is None else int(epoch)
+        self._valid_until = started + self.ttl if epoch is not None else 0.0
+        return epoch is not None
+
+    def try_acquire(self) -> bool:
+        raise NotImplementedError
+
+    def renew(self) -> bool:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        raise NotImplementedError
+
+    def fence(self, session: Session) -> None:
+        raise NotImplementedError
+
+    def transaction(self) -> AbstractContextManager[Session]:
         raise NotImplementedError
 
     @property
@@ -153,6 +241,19 @@ class LeaseLeaderLock(LeaderLock):
                 return False
             return self._take()
 
+    @contextmanager
+    def transaction(self) -> Iterator[Session]:
+        """One write transaction of the leader, committed only inside its term (`fence` at its end).
+
+        On PostgreSQL it may sit idle at most FENCED_IDLE_S between statements: a leader cut off
+        mid-transaction (its rows locked: the cursor, an alias) is ended by the server then, so the
+        next leader's writes wait that long at most."""
+        with session_scope(self.engine) as session:
+            if self._dialect == "postgresql":
+                session.execute(text(f"SET LOCAL idle_in_transaction_session_timeout = {round(FENCED_IDLE_S * 1000)}"))
+            yield session
+            self.fence(session)
+
     def fence(self, session: Session) -> None:
         """End a leader's write transaction with this: it commits only inside this leader's term.
 
@@ -161,8 +262,6 @@ class LeaseLeaderLock(LeaderLock):
         is over, by the database's clock."""
         if not self.is_leader:
             raise LeadershipLost(f"{self.holder} is not the {self.name!r} leader (its lease lapsed or was released)")
-        if self._dialect == "postgresql":
-            session.execute(text(f"SET LOCAL idle_in_transaction_session_timeout = {round(FENCED_IDLE_S * 1000)}"))
         held = session.execute(
             update(Lease).where(Lease.name == self.name, Lease.holder == self.holder, Lease.epoch == self.epoch,
                                 Lease.expires_at > _db_now(self._dialect))
@@ -187,11 +286,11 @@ class LeaseLeaderLock(LeaderLock):
             if not was:
                 return
             try:
-                with session_scope(self.engine) as session:
+                with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
                     # Lapse it now (only if still ours) so a follower need not wait for the ttl.
-                    session.execute(update(Lease).where(Lease.name == self.name, Lease.holder == self.holder,
-                                                        Lease.epoch == self.epoch)
-                                    .values(expires_at=_db_later(self._dialect, -1.0)))
+                    conn.execute(update(Lease).where(Lease.name == self.name, Lease.holder == self.holder,
+                                                     Lease.epoch == self.epoch)
+                                 .values(expires_at=_db_later(self._dialect, -1.0)))
             except SQLAlchemyError:
                 pass
 

@@ -35,7 +35,7 @@ def postgres_schema_url() -> Iterator[str]:
     if os.environ.get("HVD_SKIP_POSTGRES") == "1":
         pytest.skip("HVD_SKIP_POSTGRES=1")
     schema = f"hvd_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_URL)
+    admin = create_engine(PG_URL, pool_pre_ping=True)  # the fleet soak restarts the server
     try:
         with admin.begin() as conn:
             conn.execute(text(f'CREATE SCHEMA "{schema}"'))

@@ -156,6 +156,7 @@ def test_tenant_scopes_are_bounded_and_the_longest_unseen_go_first():
     for name in ("a", "b", "c", "d", "e"):  # a rotating client: one new tenant name per call
         cal.observe(curves, draft_len, np.full(20, 4), w, np.array([name] * 20, dtype=object), WORKLOADS)
     assert cal.tenant_scopes() == 3 and cal.evicted == 2
+    assert cal.take_forgotten() == [("sql", "a"), ("sql", "b")] and cal.take_forgotten() == []  # to clear in SQL
     assert sorted(k for k in cal._scopes if k[1] is not None) == [("sql", "c"), ("sql", "d"), ("sql", "e")]
     assert ("sql", None) in cal._scopes  # the workload's own scope is never evicted
     cal.admit(("sql", "c"), Calibration.identity(), pays=True)  # c on trial ...
@@ -165,5 +166,6 @@ def test_tenant_scopes_are_bounded_and_the_longest_unseen_go_first():
     for name in ("g", "h", "i"):
         cal.observe(curves, draft_len, np.full(20, 4), w, np.array([name] * 20, dtype=object), WORKLOADS)
     assert not cal.on_trial(("sql", "c")) and cal.evicted == 6  # evicted with its trial
+    assert sorted(t for _, t in cal.take_forgotten()) == ["c", "d", "e", "f"]
     with pytest.raises(ValueError, match="max_tenant_scopes must be >= 1"):
         Calibrator(CalibrationConfig(max_tenant_scopes=0))

@@ -143,6 +143,7 @@ def test_a_bad_database_is_one_line_naming_it(db, message, tmp_path, capsys):
     (["--once", "--interval", "1"], "--interval paces the long-running learner; --once exits when caught up"),
     (["--interval", "0"], "--interval must be a number of seconds > 0, got 0.0"),
     (["--interval", "nan"], "--interval must be a number of seconds > 0, got nan"),
+    (["--lease-ttl", "0.5"], "--lease-ttl must be a number of seconds >= 1, got 0.5"),
 ])
 def test_bad_options_are_refused_by_name(argv, message, tmp_path, capsys):
     assert main(["--db", f"sqlite:///{tmp_path}/x.db", "learn", *argv]) == 2
@@ -245,3 +246,12 @@ def test_hvd_lists_learn_and_its_options():
 
     assert option_defaults()["learn"] == {"once": False, "interval": None}
     assert option_defaults()["serve"]["dtype"] is None  # from the CPU (vllm_engine.cpu_dtype)
+
+
+def test_the_help_states_the_leaders_own_takeover_figures():
+    """--help cannot import storage.leader (SQLAlchemy) to read them: the copies must agree."""
+    import controller.cli.learn as learn
+    from storage import leader
+
+    assert learn.FENCED_IDLE_S == leader.FENCED_IDLE_S
+    assert learn.DEFAULT_LEASE_TTL == leader.LeaseLeaderLock.__init__.__defaults__[1]

@@ -204,6 +204,8 @@ def test_bad_metrics_flags_are_one_line_exit_2(tmp_path, capsys):
             (["--metrics-port", "0", "--metrics-linger", "5"], "--metrics-linger needs --metrics-port"),
             (["--metrics-port", "9", "--metrics-linger", "soon"], "--metrics-linger must be a number of seconds"),
             (["--metrics-port", str(busy)], f"--metrics-port {busy}: cannot listen on 127.0.0.1:{busy}"),
+            (["--replica", " "], "--replica must be a printable name of 1 to 128 characters, got ' '"),
+            (["--replica", "r\x07"], "--replica must be a printable name of 1 to 128 characters, got 'r\\x07'"),
         ]
         for extra, message in cases:
             assert main(serve + extra) == 2, extra

@@ -25,14 +25,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from predictor.gate.registry import CHAMPION, load_gate
+from predictor.gate.registry import load_gate
 from storage.engine import make_engine, session_scope
 from support import rows as readback
-from storage.migrate import upgrade
 from storage.models import ReplicaHealth
-from storage.versions import create_version, get_alias_version, set_alias
 from tcp_proxy import TcpProxy
-from support.trace_subset import champion_database
+from support.trace_subset import champion_database, copy_champion
 
 pytestmark = pytest.mark.postgres
 HVD = Path(sys.executable).with_name("hvd")
@@ -130,20 +128,6 @@ class Soak:
                 proc.wait(30)
 
 
-def _copy_champion(src_url: str, dst_url: str) -> None:
-    src, dst = make_engine(src_url), make_engine(dst_url)
-    upgrade(dst)
-    with session_scope(src) as s:
-        v = get_alias_version(s, CHAMPION)
-        blob, schema = v.blob, v.feature_schema_hash
-    with session_scope(dst) as s:
-        nv = create_version(s, blob=blob, kind="mlp", feature_schema_hash=schema, metrics={}, training_summary={},
-                            reason="soak", created_by="soak")
-        set_alias(s, CHAMPION, nv.id, reason="soak", actor="soak")
-    src.dispose()
-    dst.dispose()
-
-
 def test_soak_outages_sigterm_kill9_on_both_databases(tmp_path):
     from conftest import postgres_schema_url
 
@@ -152,7 +136,7 @@ def test_soak_outages_sigterm_kill9_on_both_databases(tmp_path):
     pg_url = next(pg_urls)
     proxy = TcpProxy.for_url(pg_url)
     try:
-        _copy_champion(sqlite_url, pg_url)
+        copy_champion(sqlite_url, pg_url)
 
         def pg_outage(rng: random.Random) -> None:
             proxy.cut()

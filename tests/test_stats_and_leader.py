@@ -428,10 +428,9 @@ def test_fenced_writes_commit_only_inside_the_term(db: Engine, db_url: str) -> N
     b = LeaseLeaderLock(db, "learner", holder="B", ttl=30.0, auto_renew=False)
 
     def write(lock: LeaseLeaderLock, name: str) -> None:
-        with session_scope(db) as s:
-            create_version(s, blob=b"x" * 8, kind="point", feature_schema_hash="h", metrics={}, training_summary={}, reason=name,
-                           created_by=lock.holder)
-            lock.fence(s)
+        with lock.transaction() as s:
+            create_version(s, blob=b"x" * 8, kind="point", feature_schema_hash="h", metrics={}, training_summary={},
+                           reason=name, created_by=lock.holder)
 
     assert a.try_acquire()
     write(a, "in term 1")

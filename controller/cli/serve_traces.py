@@ -85,24 +85,21 @@ def round_robin_sources(records: Sequence[TraceRecord]) -> list[TraceRecord]:
     return out
 
 
+def say(line: str) -> None:
+    print(line, flush=True)  # a line as it happens, also into a pipe or a log file
+
+
 def serve_replay(engine: Engine, records: Sequence[TraceRecord], opts: ReplayServeOptions,
-                 log: Callable[[str], None] = print, on_step: Callable[[ReplayRun, Runtime], None] | None = None,
-                 metrics: HvdMetrics | None = None) -> ServeResult:
+                 log: Callable[[str], None] = say, on_step: Callable[[ReplayRun, Runtime], None] | None = None,
+                 metrics: HvdMetrics | None = None, banner: str | None = None) -> ServeResult:
     """Serve `records` until done or stopped; `metrics`: the Prometheus metrics the runtime counts
-    into (the CLI's --metrics-port serves them)."""
+    into (the CLI's --metrics-port serves them); `banner`: logged once SIGINT and SIGTERM stop the
+    run cleanly (a supervisor that waits for it may signal from then on)."""
     (drafter,) = pick(drafter_profiles(), [opts.drafter], "drafter")
     (cost,) = pick(cost_profiles(), [opts.cost_profile], "cost")
     tokenizer = TraceTokenizer()
-    stack = ServiceStack.build(engine, decision_config(drafter, cost, rule=opts.rule), token_classes(tokenizer),
-                               replica=opts.replica, learn=opts.learn, learner_config=opts.learner,
-                               leader_lock=not opts.synchronous, stats_interval=2.0, poll_interval=1.0,
-                               metrics=metrics)
-    runtime, learner = stack.runtime, stack.learner
-    if opts.synchronous:
-        stack.poller.poll_once()
-    else:
-        stack.start()
-
+    # Before the stack is built (it loads the champion, starts writers): a signal during start-up
+    # stops the run as cleanly as one during serving, with its tally.
     interrupted = False
     previous: dict[int, object] = {}
 
@@ -119,6 +116,23 @@ def serve_replay(engine: Engine, records: Sequence[TraceRecord], opts: ReplaySer
             signal.signal(sig, on_signal)
         except ValueError:  # not the main thread: no signal handling
             previous.pop(sig, None)
+    if banner is not None:
+        log(banner)
+    try:
+        stack = ServiceStack.build(engine, decision_config(drafter, cost, rule=opts.rule), token_classes(tokenizer),
+                                   replica=opts.replica, learn=opts.learn, learner_config=opts.learner,
+                                   leader_lock=not opts.synchronous, stats_interval=2.0, poll_interval=1.0,
+                                   metrics=metrics)
+    except BaseException:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        raise
+    runtime, learner = stack.runtime, stack.learner
+    if opts.synchronous:
+        stack.poller.poll_once()
+    else:
+        stack.start()
+
     start = last = time.monotonic()
     steps = 0
 

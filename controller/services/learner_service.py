@@ -126,8 +126,8 @@ class LearnerService(BackgroundService):
 
     @property
     def resumes(self) -> bool:
-        """Whether the database holds the fleet's cursor (this learner goes on from it)."""
-        return self._cursor_placed
+        """Whether this learner went on from a cursor an earlier learner placed."""
+        return self._resumed
 
     def progress(self) -> dict | None:
         """The learner's cursor, so the Health page can show how far it lags the event log, and its
@@ -178,7 +178,7 @@ class LearnerService(BackgroundService):
                 self.stats.drifts.append((d.workload, d.events_seen))
             rule = effective_rule(self.decision.rule, self.learner.champion.kind)
             changes = self.tuner.changes("drift" if result.drifts else "live estimates", rule)
-            learned = (refitted, result.drifts, changes)
+            learned = (refitted, result.drifts, changes, self.calibrator.take_forgotten())
             if counterfactual:
                 judgement = self._judge()
             else:
@@ -204,24 +204,26 @@ class LearnerService(BackgroundService):
     @contextmanager
     def _leader_transaction(self) -> Iterator[Session]:
         """One transaction of the leader's writes, committed only inside its term (storage.leader)."""
-        with session_scope(self.engine) as s:
+        with session_scope(self.engine) if self.lock is None else self.lock.transaction() as s:
             yield s
-            if self.lock is not None:
-                self.lock.fence(s)
 
     def _advance(self, s: Session, end: EventCursor, events: int) -> None:
         """The cursor from where this learner found it to `end`, and the round logged."""
-        epoch, holder = (0, self.replica) if self.lock is None else (self.lock.epoch, self.lock.holder)
         if not self._cursor_placed:
-            place_cursor(s, self.cursor, epoch=epoch, holder=holder)
+            self._place(s)
+        epoch, holder = (0, self.replica) if self.lock is None else (self.lock.epoch, self.lock.holder)
         advance_cursor(s, self.cursor, end, events, epoch=epoch, holder=holder)
-        self._cursor_placed = True
         self._rounds += 1
         if self._rounds % PRUNE_EVERY == 0:
             prune_rounds(s)
 
-    def _write_learned(self, s: Session, now: datetime, refitted: dict, drifts: list, changes: list) -> None:
-        """The round's calibrations (served or cleared), drifts and tau changes."""
+    def _write_learned(self, s: Session, now: datetime, refitted: dict, drifts: list, changes: list,
+                       forgotten: list[tuple[str, str | None]]) -> None:
+        """The round's calibrations (served or cleared, and those of tenant scopes the calibrator
+        evicted), drifts and tau changes."""
+        for workload, tenant in forgotten:
+            if tenant is not None and (workload, tenant) not in refitted:
+                clear_calibrations(s, workload, tenant)
         for (workload, tenant), (calibration, pays, verdict) in refitted.items():
             if pays:  # won by the margin, clearly
                 save_calibration(s, workload=workload, tenant=tenant,
@@ -466,14 +468,28 @@ class LearnerService(BackgroundService):
         beginning), and watch the promotions earlier leaders had not seen through."""
         with session_scope(self.engine) as s:
             stored = read_cursor(s)
-            self._cursor_placed = stored is not None
+            self._cursor_placed = self._resumed = stored is not None
             self.cursor = stored or (events_end(s) if self._start_at_end else EventCursor())
         self.stats.cursor = self.cursor.id
+        if not self._cursor_placed and (self.lock is None or self.lock.is_leader):
+            # placed now, not at the first round: a leader that dies before its first round must
+            # not let the next one start at a later end
+            try:
+                with self._leader_transaction() as s:
+                    self._place(s)
+            except Exception:  # noqa: BLE001 - e.g. another leader placed it first: start again from it
+                self._stale = True
         self._resume_watches()
+
+    def _place(self, s: Session) -> None:
+        epoch, holder = (0, self.replica) if self.lock is None else (self.lock.epoch, self.lock.holder)
+        place_cursor(s, self.cursor, epoch=epoch, holder=holder)
+        self._cursor_placed = True
 
     def _rebuild(self) -> None:
         """A round that did not commit left this learner ahead of the database: start again from
         the champions and the cursor stored (what was learned since the last promotion is lost)."""
+        self._stale = False
         self._fresh()
         self._take_over()
 

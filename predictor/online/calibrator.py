@@ -193,6 +193,7 @@ class Calibrator:
         self._last_seen: dict[tuple[str, str], int] = {}  # tenant scope -> the observe call that last fed it
         self._calls = 0
         self.evicted = 0  # tenant scopes forgotten to stay within max_tenant_scopes
+        self._forgotten: list[tuple[str, str | None]] = []  # evicted since take_forgotten
 
     def observe(self, curves: np.ndarray, draft_len: np.ndarray, label: np.ndarray, workload: np.ndarray,
                 tenant: np.ndarray, workloads: tuple[str, ...], decided: np.ndarray | None = None,
@@ -239,7 +240,14 @@ class Calibrator:
             self._scopes.pop(key, None)
             self._trials.pop(key, None)
             self._confirmed.discard(key)
+            self._forgotten.append(key)
         self.evicted += excess
+
+    def take_forgotten(self) -> list[tuple[str, str | None]]:
+        """The tenant scopes evicted since the last call: their served corrections go too (the
+        learner clears them), or every replica would keep loading one per tenant ever seen."""
+        forgotten, self._forgotten = self._forgotten, []
+        return forgotten
 
     def tenant_scopes(self) -> int:
         return len(self._last_seen)

@@ -41,3 +41,23 @@ def champion_database(folder: Path, counts: dict[str, int] = SUBSET, epochs: int
               log=lambda s: None)
     engine.dispose()
     return url
+
+
+def copy_champion(src_url: str, dst_url: str) -> None:
+    """The champion of `src_url` as the champion of a freshly migrated `dst_url` (e.g. PostgreSQL)."""
+    from predictor.gate.registry import CHAMPION, promote
+    from storage.engine import make_engine, session_scope
+    from storage.migrate import upgrade
+    from storage.versions import create_version, get_alias_version
+
+    src, dst = make_engine(src_url), make_engine(dst_url)
+    upgrade(dst)
+    with session_scope(src) as s:
+        v = get_alias_version(s, CHAMPION)
+        blob, kind, schema = v.blob, v.kind, v.feature_schema_hash
+    with session_scope(dst) as s:
+        nv = create_version(s, blob=blob, kind=kind, feature_schema_hash=schema, metrics={}, training_summary={},
+                            reason="copied champion", created_by="tests")
+        promote(s, nv.id, reason="copied champion", actor="tests", expected=None)
+    src.dispose()
+    dst.dispose()
