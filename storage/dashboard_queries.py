@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -26,6 +26,7 @@ from storage.models import (
     PredictorVersion,
     ReplicaHealth,
     StatBucket,
+    StatHour,
     StepCostMinute,
     TauHistory,
     utcnow,
@@ -79,7 +80,7 @@ def _scoped(stmt, scope: Scope, model=StatBucket):
     if scope.workload is not None:
         stmt = stmt.where(model.workload == scope.workload)
     if scope.since is not None:
-        stmt = stmt.where((model.bucket_start if model is StatBucket else model.at) >= scope.since)
+        stmt = stmt.where((model.at if model is DecisionEvent else model.bucket_start) >= scope.since)
     return stmt
 
 
@@ -166,32 +167,57 @@ BIN_SECONDS = (60, 300, 900, 3600, 4 * 3600, 86400)
 MAX_POINTS = 1500
 
 
+# All tenants over more than a day: read stat_hours (every tenant summed per hour, a few rows an hour)
+# instead of the minutes (one row per active tenant a minute: millions over 30 days), drawn in bins
+# of an hour or more. A `since` inside an hour leaves that first hour out.
+HOURLY_BEYOND = timedelta(days=1)
+
+
+def _span(session: Session, scope: Scope, model) -> float:
+    first, last = session.execute(_scoped(select(func.min(model.bucket_start), func.max(model.bucket_start)),
+                                          scope, model)).one()
+    return 0.0 if first is None else (last - first).total_seconds()
+
+
+def _counts(session: Session, scope: Scope):
+    """The table the scope's sums come from: stat_hours for all tenants over more than
+    HOURLY_BEYOND, else stat_buckets (two index probes on the small table decide)."""
+    if scope.tenant is None and _span(session, scope, StatHour) > HOURLY_BEYOND.total_seconds():
+        return StatHour
+    return StatBucket
+
+
 def bucket_resolution(session: Session, scope: Scope = ALL_TIME) -> timedelta:
     """The time bin of the scope's series: the finest of BIN_SECONDS that draws the span of the
-    scope's buckets (oldest to newest, two index probes) in at most MAX_POINTS bins."""
-    first, last = session.execute(_scoped(select(func.min(StatBucket.bucket_start),
-                                                 func.max(StatBucket.bucket_start)), scope)).one()
-    span = 0.0 if first is None else (last - first).total_seconds()
-    return timedelta(seconds=next((b for b in BIN_SECONDS if span / b <= MAX_POINTS), BIN_SECONDS[-1]))
+    scope's buckets (oldest to newest, two index probes) in at most MAX_POINTS bins; an hour at
+    least where the sums come from stat_hours."""
+    model = _counts(session, scope)
+    span = _span(session, scope, model)
+    finest = 3600 if model is StatHour else 0
+    return timedelta(seconds=next((b for b in BIN_SECONDS if span / b <= MAX_POINTS and b >= finest),
+                                  BIN_SECONDS[-1]))
 
 
-def _time_bin(session: Session, seconds: int):
+def _time_bin(session: Session, seconds: int, model=StatBucket):
     """bucket_start floored to `seconds`, as unix seconds, in SQL (per dialect)."""
-    col = StatBucket.bucket_start
+    col = model.bucket_start
     if session.get_bind().dialect.name == "sqlite":
         return func.cast(func.strftime("%s", col), Integer) / seconds * seconds
     return func.floor(func.extract("epoch", col) / seconds) * seconds
 
 
-def _binned(session: Session, sums: tuple, scope: Scope,
+def _binned(session: Session, sums: Callable[[Any], tuple], scope: Scope,
             resolution: timedelta | None) -> list[tuple[datetime, list[int]]]:
     """(bin start, its sums) in time order, the scope's buckets summed into `resolution` bins
     (None: bucket_resolution's); 1-minute bins are the buckets themselves."""
+    model = _counts(session, scope)
     seconds = int((resolution or bucket_resolution(session, scope)).total_seconds())
+    if model is StatHour:
+        seconds = max(seconds, 3600)
     if seconds <= BUCKET_SECONDS:
-        return _grouped(session, StatBucket.bucket_start, sums, scope)
-    key = _time_bin(session, seconds).label("bin")
-    stmt = _scoped(select(key, *sums), scope).group_by(key).order_by(key)
+        return _grouped(session, StatBucket.bucket_start, sums(StatBucket), scope)
+    key = _time_bin(session, seconds, model).label("bin")
+    stmt = _scoped(select(key, *sums(model)), scope, model).group_by(key).order_by(key)
     return [(datetime.fromtimestamp(int(k), timezone.utc), [int(v) for v in vals])
             for k, *vals in session.execute(stmt)]
 
@@ -217,22 +243,30 @@ def _sums(*columns) -> tuple:
     return tuple(func.coalesce(func.sum(c), 0) for c in columns)
 
 
-def _totals(session: Session, sums: tuple, scope: Scope) -> list[int]:
-    return [int(v) for v in session.execute(_scoped(select(*sums), scope)).one()]
+def _totals(session: Session, sums: Callable[[Any], tuple], scope: Scope) -> list[int]:
+    model = _counts(session, scope)
+    return [int(v) for v in session.execute(_scoped(select(*sums(model)), scope, model)).one()]
 
 
-def _grouped(session: Session, key, sums: tuple, scope: Scope = ALL_TIME) -> list[tuple[Any, list[int]]]:
+def _grouped(session: Session, key, sums: tuple, scope: Scope = ALL_TIME, model=StatBucket) -> list[tuple[Any, list[int]]]:
     """(value of `key`, its sums) in `key` order."""
-    stmt = _scoped(select(key, *sums), scope).group_by(key).order_by(key)
+    stmt = _scoped(select(key, *sums), scope, model).group_by(key).order_by(key)
     return [(k, [int(v) for v in vals]) for k, *vals in session.execute(stmt)]
 
 
-_PATH_SUMS = _sums(StatBucket.tokens, StatBucket.cycles, StatBucket.cache_verified, StatBucket.model_drafts)
+def _by(session: Session, column: str, sums: Callable[[Any], tuple], scope: Scope) -> list[tuple[Any, list[int]]]:
+    """The scope's sums grouped by one of the counts' key columns (workload, version)."""
+    model = _counts(session, scope)
+    return _grouped(session, getattr(model, column), sums(model), scope, model)
+
+
+def _path_sums(m) -> tuple:
+    return _sums(m.tokens, m.cycles, m.cache_verified, m.model_drafts)
 
 
 def overview_totals(session: Session, scope: Scope = ALL_TIME) -> dict[str, Any]:
     """Totals over the scope's buckets."""
-    return _path_row(*_totals(session, _PATH_SUMS, scope))
+    return _path_row(*_totals(session, _path_sums, scope))
 
 
 def overview_by_bucket(session: Session, scope: Scope = ALL_TIME,
@@ -240,7 +274,7 @@ def overview_by_bucket(session: Session, scope: Scope = ALL_TIME,
     """Per time bin (bucket_resolution's unless given): tokens per cycle, cycles per 1000 tokens by
     decision path."""
     return [{"bucket_start": start, **_path_row(*sums)}
-            for start, sums in _binned(session, _PATH_SUMS, scope, resolution)]
+            for start, sums in _binned(session, _path_sums, scope, resolution)]
 
 
 @dataclass(frozen=True)
@@ -258,10 +292,9 @@ class ServedCounts:
 
 
 def served_counts(session: Session, scope: Scope = ALL_TIME) -> ServedCounts:
-    tokens, cycles, draft, accepted, model = _totals(session, _sums(
-        StatBucket.tokens, StatBucket.cycles, StatBucket.draft_tokens, StatBucket.accepted_tokens,
-        StatBucket.model_drafts), scope)
-    by_workload = {w: sums[0] for w, sums in _grouped(session, StatBucket.workload, _sums(StatBucket.tokens), scope)
+    tokens, cycles, draft, accepted, model = _totals(session, lambda m: _sums(
+        m.tokens, m.cycles, m.draft_tokens, m.accepted_tokens, m.model_drafts), scope)
+    by_workload = {w: sums[0] for w, sums in _by(session, "workload", lambda m: _sums(m.tokens), scope)
                    if w != ALL and sums[0]}
     stmt = _scoped(select(DecisionEvent.workload, func.count(), func.sum(DecisionEvent.accepted),
                           func.sum(DecisionEvent.draft_len)).where(DecisionEvent.drafter == "model"),
@@ -289,11 +322,12 @@ def _quality(tp: int, fp: int, fn: int, tn: int = 0) -> dict[str, Any]:
             "precision": _ratio(tp, tp + fp), "recall": _ratio(tp, tp + fn)}
 
 
-_CONF_SUMS = _sums(StatBucket.tp, StatBucket.fp, StatBucket.fn, StatBucket.tn)
+def _conf_sums(m) -> tuple:
+    return _sums(m.tp, m.fp, m.fn, m.tn)
 
 
 def quality_totals(session: Session, scope: Scope = ALL_TIME) -> dict[str, Any]:
-    return _quality(*_totals(session, _CONF_SUMS, scope))
+    return _quality(*_totals(session, _conf_sums, scope))
 
 
 def quality_by_bucket(session: Session, scope: Scope = ALL_TIME,
@@ -301,36 +335,37 @@ def quality_by_bucket(session: Session, scope: Scope = ALL_TIME,
     """Precision/recall of "predicted >= LONG" against "accepted >= LONG", per time bin
     (bucket_resolution's unless given)."""
     return [{"bucket_start": start, **_quality(*sums)}
-            for start, sums in _binned(session, _CONF_SUMS, scope, resolution)]
+            for start, sums in _binned(session, _conf_sums, scope, resolution)]
 
 
 def quality_by_workload(session: Session, scope: Scope = ALL_TIME) -> list[dict[str, Any]]:
     """The question the product answers per workload: precision, recall and counts at >= LONG."""
     return [{"workload": w, **_quality(*sums)}
-            for w, sums in _grouped(session, StatBucket.workload, _CONF_SUMS, scope) if w != ALL]
+            for w, sums in _by(session, "workload", _conf_sums, scope) if w != ALL]
 
 
 def quality_by_version(session: Session, scope: Scope = ALL_TIME) -> list[dict[str, Any]]:
     return [{"version": int(v), **_quality(*sums)}
-            for v, sums in _grouped(session, StatBucket.predictor_version_id, _CONF_SUMS, scope) if v]
+            for v, sums in _by(session, "predictor_version_id", _conf_sums, scope) if v]
 
 
 def accepted_histograms(session: Session, scope: Scope = ALL_TIME) -> list[dict[str, Any]]:
     """Labelled cache drafts by accepted length (0..24, 24 = 24 or more) per workload (long form),
     summed in SQL (one row per workload comes back, not one per bucket)."""
     sums: dict[str, list[int]] = {}
+    m = _counts(session, scope)
     if session.get_bind().dialect.name == "sqlite":  # json_extract per element: SQLite's cheapest way
-        bins = _sums(*(StatBucket.accepted_hist[i].as_integer() for i in range(HIST_BINS)))
-        stmt = (_scoped(select(StatBucket.workload, *bins), scope).where(StatBucket.workload != ALL)
-                .group_by(StatBucket.workload))
+        bins = _sums(*(m.accepted_hist[i].as_integer() for i in range(HIST_BINS)))
+        stmt = (_scoped(select(m.workload, *bins), scope, m).where(m.workload != ALL)
+                .group_by(m.workload))
         sums = {wl: [int(n) for n in counts] for wl, *counts in session.execute(stmt)}
     else:  # each array parsed once into (position, count) rows: 25 ->> would parse it 25 times
-        elements = (func.json_array_elements_text(StatBucket.accepted_hist)
+        elements = (func.json_array_elements_text(m.accepted_hist)
                     .table_valued("value", with_ordinality="ord").render_derived())
         pos = func.least(elements.c.ord - 1, HIST_BINS - 1).label("pos")
-        stmt = (_scoped(select(StatBucket.workload, pos, func.sum(func.cast(elements.c.value, Integer))), scope)
-                .select_from(StatBucket).join(elements, literal(True))
-                .where(StatBucket.workload != ALL).group_by(StatBucket.workload, pos))
+        stmt = (_scoped(select(m.workload, pos, func.sum(func.cast(elements.c.value, Integer))), scope, m)
+                .select_from(m).join(elements, literal(True))
+                .where(m.workload != ALL).group_by(m.workload, pos))
         for wl, i, n in session.execute(stmt):
             sums.setdefault(wl, [0] * HIST_BINS)[int(i)] += int(n or 0)
     return [{"workload": wl, "accepted": i, "drafts": n} for wl in sorted(sums) for i, n in enumerate(sums[wl])]
@@ -658,7 +693,8 @@ def _replica(r: ReplicaHealth, now: datetime) -> dict[str, Any]:
     return {"replica": r.replica, "updated_at": r.updated_at, "age": age,
             "heartbeat_state": "shut down" if stopped else age_state(age), "queue_depth": r.queue_depth,
             "events_written": r.events_written, "events_dropped": r.events_dropped,
-            "events_dead_lettered": r.events_dead_lettered, "flush_ms": round(r.flush_ms, 2),
+            "events_dead_lettered": r.events_dead_lettered, "dead_letters_pruned": r.dead_letters_pruned,
+            "flush_ms": round(r.flush_ms, 2),
             "services": ", ".join(f"{s['name']}: {s['state']}" for s in service_list),
             "champion_not_loaded": problem, "service_list": service_list}
 

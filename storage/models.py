@@ -349,6 +349,33 @@ class StatBucket(Base):
     dropped_events: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
 
 
+class StatHour(Base):
+    """stat_buckets summed over tenants into hours: what the dashboard reads for all tenants over
+    days (30 days of 10,000 tenants' minutes is millions of rows; this is a few per hour). Written by
+    the same upsert, in the same transaction, as the minutes (storage.stats.upsert_buckets)."""
+
+    __tablename__ = "stat_hours"
+    __table_args__ = (UniqueConstraint("bucket_start", "workload", "predictor_version_id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    bucket_start: Mapped[datetime] = mapped_column(UTCDateTime(), nullable=False, index=True)  # the hour
+    workload: Mapped[str] = mapped_column(String(MAX_WORKLOAD_LEN), nullable=False)
+    predictor_version_id: Mapped[int] = mapped_column(Integer, nullable=False)  # 0: none
+    cache_drafts: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    cache_verified: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    model_drafts: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    draft_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    accepted_tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    accepted_hist: Mapped[list[int]] = mapped_column(JSON, nullable=False)
+    tp: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    fp: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    fn: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    tn: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    cycles: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    dropped_events: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+
+
 class DriftEvent(Base):
     __tablename__ = "drift_events"
 

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from storage.engine import upsert_insert
 from storage.limits import MAX_TENANT_LEN, MAX_WORKLOAD_LEN, text_problem
-from storage.models import DecisionEvent, StatBucket
+from storage.models import DecisionEvent, StatBucket, StatHour
 from storage.retention import keep_newest
 
 BUCKET_SECONDS = 60
@@ -31,6 +31,7 @@ UPSERT_CHUNK = 500  # rows per statement (SQLite's bound-parameter limit)
 KEEP_STAT_DAYS = 30  # the statistics writers prune stat_buckets that started longer ago than this
 
 KEY_COLUMNS = ("bucket_start", "tenant", "workload", "predictor_version_id")
+HOUR_KEY_COLUMNS = ("bucket_start", "workload", "predictor_version_id")  # stat_hours: every tenant summed
 
 BucketKey = tuple[datetime, str, str, int]
 
@@ -175,8 +176,7 @@ def merge_deltas(into: dict[BucketKey, BucketDelta], other: Mapping[BucketKey, B
     return into
 
 
-def _hist_merge_sql(dialect: str) -> str:
-    t = StatBucket.__tablename__
+def _hist_merge_sql(dialect: str, t: str) -> str:
     if dialect == "postgresql":
         parts = [f"COALESCE(({t}.accepted_hist->>{i})::bigint, 0) + COALESCE((excluded.accepted_hist->>{i})::bigint, 0)"
                  for i in range(HIST_BINS)]
@@ -224,15 +224,38 @@ def upsert_buckets(session: Session, deltas: Mapping[BucketKey, BucketDelta]) ->
         rows.append(row)
     if not rows:
         return 0
+    _add_rows(session, StatBucket, KEY_COLUMNS, rows)
+    _add_rows(session, StatHour, HOUR_KEY_COLUMNS, hours_of(rows))
+    return len(rows)
+
+
+def hours_of(rows: Iterable[dict]) -> list[dict]:
+    """Minute rows summed over tenants into their hours (stat_hours' rows), in key order."""
+    summed: dict[tuple, dict] = {}
+    for r in rows:
+        start = r["bucket_start"]
+        key = (start.replace(minute=0, second=0, microsecond=0), r["workload"], r["predictor_version_id"])
+        acc = summed.get(key)
+        if acc is None:
+            summed[key] = {**dict(zip(HOUR_KEY_COLUMNS, key)), **{c: r[c] for c in COUNTERS},
+                           "accepted_hist": list(r["accepted_hist"])}
+            continue
+        for c in COUNTERS:
+            acc[c] += r[c]
+        acc["accepted_hist"] = [a + b for a, b in zip(acc["accepted_hist"], r["accepted_hist"])]
+    return [summed[k] for k in sorted(summed)]
+
+
+def _add_rows(session: Session, model: type, keys: tuple[str, ...], rows: list[dict]) -> None:
+    """INSERT ... ON CONFLICT (keys) DO UPDATE adding the counters and the histogram, per chunk."""
     insert = upsert_insert(session, "upsert_buckets")
-    hist_sql = literal_column(_hist_merge_sql(session.get_bind().dialect.name))
-    table = StatBucket.__table__
+    table = model.__table__
+    hist_sql = literal_column(_hist_merge_sql(session.get_bind().dialect.name, table.name))
     for i in range(0, len(rows), UPSERT_CHUNK):
         stmt = insert(table).values(rows[i:i + UPSERT_CHUNK])
         set_ = {name: table.c[name] + stmt.excluded[name] for name in COUNTERS}
         set_["accepted_hist"] = hist_sql
-        session.execute(stmt.on_conflict_do_update(index_elements=list(KEY_COLUMNS), set_=set_))
-    return len(rows)
+        session.execute(stmt.on_conflict_do_update(index_elements=list(keys), set_=set_))
 
 
 def prune_buckets(session: Session, older_than: datetime) -> int:
@@ -240,6 +263,8 @@ def prune_buckets(session: Session, older_than: datetime) -> int:
     row per minute, tenant, workload and version grows without bound otherwise); returns the count."""
     if older_than.tzinfo is None:
         raise ValueError(f"older_than {older_than.isoformat()} is naive; a timezone-aware datetime is required")
+    hour = older_than.replace(minute=0, second=0, microsecond=0)  # an hour goes once all its minutes went
+    session.execute(delete(StatHour).where(StatHour.bucket_start < hour))
     return session.execute(delete(StatBucket).where(StatBucket.bucket_start < older_than)).rowcount or 0
 
 

@@ -98,7 +98,8 @@ def known_database(folder: Path) -> str:
                                 decision="cache", draft_len=8, accepted=i, predicted=float(i)) for i in range(3))
         s.add_all(DriftEvent(at=T0, workload="chat", detector="adwin", detail={}) for _ in range(2))
         s.add_all([ReplicaHealth(replica="r1", updated_at=T0, queue_depth=3, events_written=3, events_dropped=0,
-                                 events_dead_lettered=2, flush_ms=1.0, services=json.dumps(R1_SERVICES)),
+                                 events_dead_lettered=2, dead_letters_pruned=1, flush_ms=1.0,
+                                 services=json.dumps(R1_SERVICES)),
                    ReplicaHealth(replica="r2", updated_at=T0, queue_depth=7, events_written=0, events_dropped=4,
                                  events_dead_lettered=3, flush_ms=2.0, services=json.dumps(R2_SERVICES)),
                    ReplicaHealth(replica="r3", updated_at=T0, queue_depth=0, events_written=0, events_dropped=0,
@@ -219,6 +220,7 @@ def test_health_shows_dead_letters_and_warns_of_a_retrying_service(known_db):
     replicas = at.dataframe[1].value.set_index("Replica")
     assert replicas["Events dropped"].to_dict() == {"r1": 0, "r2": 4, "r3": 0}
     assert replicas["Events dead-lettered"].to_dict() == {"r1": 2, "r2": 3, "r3": 0}
+    assert replicas["Dead letters pruned"].to_dict() == {"r1": 1, "r2": 0, "r3": 0}
     assert [w.value for w in at.warning] == [
         "Learner down: no running replica leads the learner.",  # every heartbeat here is months old
         "Replica r1: service hvd-learner is retrying with back-off after 3 consecutive failures "

@@ -244,7 +244,7 @@ def test_the_learner_says_each_round_promotion_and_drift(tmp_path):
 def test_hvd_lists_learn_and_its_options():
     from controller.cli.main import option_defaults
 
-    assert option_defaults()["learn"] == {"once": False, "interval": None}
+    assert option_defaults()["learn"] == {"once": False, "interval": None, "lease_ttl": None}
     assert option_defaults()["serve"]["dtype"] is None  # from the CPU (vllm_engine.cpu_dtype)
 
 

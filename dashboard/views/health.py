@@ -98,7 +98,8 @@ st.subheader("Serving replicas")
 REPLICA_COLUMNS = {"replica": "Replica", "state": "State", "age": "Heartbeat age", "updated_at": "Last heartbeat (UTC)",
                    "queue_depth": "Queue depth",
                    "events_written": "Events written", "events_dropped": "Events dropped",
-                   "events_dead_lettered": "Events dead-lettered", "flush_ms": "Flush latency (ms)",
+                   "events_dead_lettered": "Events dead-lettered",
+                   "dead_letters_pruned": "Dead letters pruned", "flush_ms": "Flush latency (ms)",
                    "services": "Services"}
 SERVICE_COLUMNS = {"name": "Service", "state": "State", "failing": "Consecutive failures",
                    "failures": "Failures in all", "last_error": "Last error", "last_success": "Last success (UTC)"}
@@ -115,7 +116,8 @@ if h["replicas"]:
                  column_config={"Last heartbeat (UTC)": st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")})
     st.caption("Good: queue depth near 0 and flush latency in milliseconds; a growing queue means the writer "
                "cannot keep up and events will be dropped (counted above). Dead-lettered events are ones the "
-               "database refused: set aside in `dead_letter_events` (or the spill file) with the reason.")
+               "database refused: set aside in `dead_letter_events` (or the spill file) with the reason; the "
+               "table keeps the newest 100,000, and the letters pruned beyond them are counted.")
     st.subheader("Background services")
     for rep in h["replicas"]:
         services = rep["service_list"]
