@@ -211,7 +211,7 @@ def fill_postgres(admin_url: str, tenants: int, days: int, active: float) -> tup
                    (ARRAY{list(WORKLOADS)!r})[i % {len(WORKLOADS)} + 1], 1 + m / {VERSION_DAYS * MINUTES_PER_DAY},
                    20, tok / 6, tok / 8, tok / 3, tok / 4, CAST(:hist AS json), 3, 2, 1, 14, tok, tok / 2, 0
             FROM bench_k, generate_series(off, {minutes - 1}, k) AS m,
-                 LATERAL (SELECT 50 + ((i * 7919 + m * 104729) % 1950) AS tok) t
+                 LATERAL (SELECT 50 + ((i::bigint * 7919 + m::bigint * 104729) % 1950)::int AS tok) t
             ORDER BY m, i"""),
             {"start": NOW - timedelta(minutes=minutes), "hist": hist})
         conn.execute(text("INSERT INTO stat_buckets (" + ",".join(BUCKET_COLUMNS) + ") VALUES "
@@ -480,6 +480,7 @@ def main() -> int:
     ap.add_argument("--chars", type=int, default=40, help="characters of each request's output served (40)")
     ap.add_argument("--no-browser", action="store_true")
     ap.add_argument("--no-postgres", action="store_true")
+    ap.add_argument("--no-sqlite", action="store_true")
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--no-dashboard", action="store_true", help="the memory run only")
     ap.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
@@ -490,7 +491,7 @@ def main() -> int:
 
     print(f"{args.tenants:,} tenants x {args.days} days of 1-minute statistics, {args.active:g} tenants active per "
           f"minute on average ({args.reps} repetitions: median (min-max))")
-    if not args.no_dashboard:
+    if not args.no_dashboard and not args.no_sqlite:
         with tempfile.TemporaryDirectory() as tmp:
             url, rows, fill_s = fill_sqlite(Path(tmp) / "tenants.db", args.tenants, args.days, args.active)
             report_db("SQLite", url, rows, fill_s, args.reps, not args.no_browser)

@@ -106,7 +106,7 @@ class LearnerService(BackgroundService):
         self._start_at_end = start_at_end
         self.tau_retention = TauRetention()  # tau_history's age and row bounds, pruned where it is written
         self.cursor = EventCursor()  # after the last event learned, in commit order (storage.events)
-        self._cursor_placed = False  # whether the database holds a cursor yet (the first round places it)
+        self._cursor_placed = False  # whether the database holds a cursor (a leader places it at take-over)
         self._stale = False  # a round did not commit: rebuild from the database before the next
         self._rounds = 0
         self._fresh()
