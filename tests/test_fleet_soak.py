@@ -80,12 +80,39 @@ class Fleet:
             stdout=log, stderr=subprocess.STDOUT, env=_env(self.tmp, name))
         self.replicas[name].log_path = log.name  # type: ignore[attr-defined]
 
+    def keep_learners_running(self) -> None:
+        """A learner that exited on its own (started while PostgreSQL restarted: refused at start-up,
+        exit 2, as a supervisor would see) is started again, as a supervisor would."""
+        for proc, proxy in list(self.learners):
+            code = proc.poll()
+            if code is None:
+                continue
+            text = Path(proc.log_path).read_text()  # type: ignore[attr-defined]
+            self.check(code == 2 and "hvd learn: error: " in text and "database" in text,
+                       f"a learner exited by itself with {code}: {text[-800:]}")
+            self.learners.remove((proc, proxy))
+            proxy.close()
+            self.start_learner()
+
+    def standby_ready(self, leader_index: int, timeout: float = 120.0) -> bool:
+        """Another learner is up and standing by (it said so), so a takeover has someone to take over."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.keep_learners_running()
+            for i, (proc, _) in enumerate(self.learners):
+                if i != leader_index and proc.poll() is None and \
+                        "standby: the learner lock is held" in Path(proc.log_path).read_text():  # type: ignore[attr-defined]
+                    return True
+            time.sleep(0.2)
+        return False
+
     def start_learner(self) -> None:
         proxy = ProxyProcess(self.url)
+        log = self.tmp / f"learner-{proxy.port}.log"
         proc = subprocess.Popen([str(HVD), "--db", proxy.url(self.url), "learn", "--interval", str(INTERVAL),
                                  "--lease-ttl", str(LEASE_TTL)],
-                                stdout=open(self.tmp / f"learner-{proxy.port}.log", "w"),
-                                stderr=subprocess.STDOUT, env=_env(self.tmp, "learner"))
+                                stdout=open(log, "w"), stderr=subprocess.STDOUT, env=_env(self.tmp, "learner"))
+        proc.log_path = str(log)  # type: ignore[attr-defined]
         self.learners.append((proc, proxy))
 
     def settle_replica(self, name: str, proc: subprocess.Popen, code: int | None, killed: bool) -> None:
@@ -125,6 +152,7 @@ class Fleet:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.keep_replicas_running()
+            self.keep_learners_running()
             with session_scope(self.engine) as s:
                 lease = s.get(Lease, "learner")
                 live = lease is not None and s.scalar(select(func.now() < lease.expires_at))
@@ -163,6 +191,10 @@ class Fleet:
         elif kind == "partition leader":
             found = self.leader()
             self.check(found is not None, "partition: no leader")
+            if found is None:
+                return
+            self.check(self.standby_ready(found[0]), "partition: no standby came up")
+            found = self.leader()
             if found is None:
                 return
             proc, proxy = self.learners[found[0]]

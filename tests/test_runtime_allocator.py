@@ -25,7 +25,7 @@ from predictor.gate.mlp import SURVIVAL_K, GatePredictor
 from predictor.gate.registry import store_champion
 from predictor.online.learner import LearnerConfig
 from storage.engine import make_engine, session_scope
-from storage.events import events_after
+from storage.events import EventCursor, events_after
 from storage.migrate import upgrade
 from storage.models import TauHistory
 from storage.overrides import ActiveOverride, OverrideSnapshot
@@ -289,7 +289,7 @@ def test_tau_history_shows_the_break_even_tau(tmp_path, records, tokenizer):
         pass
     tuner = service.tuner
     with session_scope(engine) as s:
-        events = events_after(s, 0, 1_000_000)
+        events = events_after(s, EventCursor(), 1_000_000)
         history = [(h.workload, h.tau, h.rule_tau, h.correction, h.model_mean_accepted)
                    for h in s.query(TauHistory).order_by(TauHistory.id)]
     decided = [e for e in events if e.drafter == "cache" and e.decision != "shadow"]

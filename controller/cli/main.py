@@ -492,7 +492,7 @@ def _serve_replay(args: argparse.Namespace, engine) -> int:
                               learn=not (args.no_learn or args.oracle), synchronous=args.synchronous,
                               oracle=args.oracle, rule=args.rule, replica=args.replica)
     try:
-        result = serve_replay(engine, records, opts, metrics=metrics, banner=banner)
+        result = serve_replay(engine, records, opts, metrics=metrics, banner=banner, restore_signals=False)
         print(format_serve_summary(result), flush=True)
         if linger and not result.interrupted:
             print(f"metrics: still answering for {linger:g} s; Ctrl-C or SIGTERM ends it", flush=True)

@@ -91,10 +91,13 @@ def say(line: str) -> None:
 
 def serve_replay(engine: Engine, records: Sequence[TraceRecord], opts: ReplayServeOptions,
                  log: Callable[[str], None] = say, on_step: Callable[[ReplayRun, Runtime], None] | None = None,
-                 metrics: HvdMetrics | None = None, banner: str | None = None) -> ServeResult:
+                 metrics: HvdMetrics | None = None, banner: str | None = None,
+                 restore_signals: bool = True) -> ServeResult:
     """Serve `records` until done or stopped; `metrics`: the Prometheus metrics the runtime counts
     into (the CLI's --metrics-port serves them); `banner`: logged once SIGINT and SIGTERM stop the
-    run cleanly (a supervisor that waits for it may signal from then on)."""
+    run cleanly (a supervisor that waits for it may signal from then on). `restore_signals=False`
+    (the CLI): the handlers stay until the process exits, so a signal that comes while it prints its
+    summary does not kill it before its exit status."""
     (drafter,) = pick(drafter_profiles(), [opts.drafter], "drafter")
     (cost,) = pick(cost_profiles(), [opts.cost_profile], "cost")
     tokenizer = TraceTokenizer()
@@ -160,7 +163,8 @@ def serve_replay(engine: Engine, records: Sequence[TraceRecord], opts: ReplaySer
         if opts.synchronous:
             stack.sync_round()
         tally = stack.shutdown(opts.drain_seconds, log=None)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        if restore_signals:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     return ServeResult(run, learner.stats.promotions if learner else [], learner.stats.drifts if learner else [],
                        tally, interrupted, time.monotonic() - start, stack.health())
