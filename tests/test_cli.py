@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 HVD = Path(sys.executable).with_name("hvd")
 if not HVD.exists():
     HVD = ROOT / ".venv" / "bin" / "hvd"
-POLICY_KEYS = {"none", "suffix", "model", "arctic", "hvd", "hvd-binary", "oracle", "oracle-length"}
+POLICY_KEYS = {"none", "suffix", "model", "arctic", "vllm-adaptive", "sglang-hybrid", "trtllm", "hvd", "hvd-binary", "oracle",
+               "oracle-length"}
 FIGURE_KEYS = {"cycles_per_1k", "tokens_per_cycle", "wasted_per_1k", "speedup"}
 
 

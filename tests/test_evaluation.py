@@ -54,10 +54,13 @@ def _dataset(seed: int = 0) -> tuple[Dataset, np.ndarray]:
     curves = np.minimum.accumulate(curves, axis=1)
     features = np.zeros((n, NUM_FEATURES), np.float32)
     features[:, 0] = np.arange(n)
+    # path probabilities as arctic-inference gives them (cumulative): 0.9 per token up to the label, 0.4 past it
+    token_probs = np.concatenate([np.cumprod(np.where(np.arange(k) < y, 0.9, 0.4)) for k, y in zip(draft_len, label)]
+                                 + [np.zeros(0)])
     replay = ReplayResult(trace=trace.astype(np.int32), position=position.astype(np.int32),
                           draft_len=draft_len.astype(np.int16), label=label.astype(np.int16),
                           score=label.astype(np.float32), features=features, output_len=lengths.astype(np.int32),
-                          workload=workload.astype(np.int8))
+                          workload=workload.astype(np.int8), token_probs=token_probs.astype(np.float32))
     test = np.ones(8, dtype=bool)
     test[7] = False
     return Dataset(records=[None] * 8, load_report=LoadReport(), replay=replay, test_traces=test, key="tiny"), curves

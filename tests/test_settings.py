@@ -41,8 +41,8 @@ def test_values_are_parsed():
     ("HVD_MAX_RUNNING", "0", "an integer >= 1"),
     ("HVD_FIXED_TAU", "high", "a number"),
     ("HVD_BACKOFF", "pause", "one of ('none', 'cache_only')"),
-    ("HVD_RULE", "oracle", "one of ('allocator', 'binary', 'arctic')"),
-    ("HVD_RULE", "gate", "one of ('allocator', 'binary', 'arctic')"),  # the old name of binary: refused
+    ("HVD_RULE", "oracle", "one of ('allocator', 'binary', 'arctic', 'vllm-adaptive', 'sglang-hybrid', 'trtllm')"),
+    ("HVD_RULE", "gate", "one of ('allocator', 'binary', 'arctic', 'vllm-adaptive', 'sglang-hybrid', 'trtllm')"),  # the old name of binary: refused
     ("HVD_FALLBACK", "eagle", "one of ('model', 'none')"),
     ("HVD_DEFAULT_WORKLOAD", "mail", "one of ('agentic', 'code_edit', 'coding', 'sql', 'chat')"),
     ("HVD_LEARN", "sometimes", "one of ('1', 'true', 'yes', 'on', '0', 'false', 'no', 'off')"),

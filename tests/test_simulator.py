@@ -1,6 +1,8 @@
 """The offline policy simulator on hand-built inputs whose cycles, steps and milliseconds are computed by hand."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -19,6 +21,15 @@ CPU = CostProfile("cpu", base_ms=23.3, per_token_ms=1.36, draft_token_ms=1.5, ba
                   batch8_per_token_ms=12.17)
 GPU = CostProfile("gpu", base_ms=6.5, per_token_ms=0.03, draft_token_ms=0.4)
 
+
+def rival_inputs(data: SimInput, width: int = 24) -> SimInput:
+    """What the competitors' rules read, made up from each row's own figures: a match as long as
+    the draft, token probabilities 0.9 up to the accepted length and 0.3 past it."""
+    j = np.arange(width)[None, :]
+    dl, label = np.asarray(data.draft_len)[:, None], np.asarray(data.label)[:, None]
+    prob = np.where(j < dl, np.where(j < label, 0.9, 0.3), 0.0).astype(np.float32)
+    return replace(data, match_len=np.asarray(data.draft_len, dtype=np.int64), token_prob=prob)
+
 # Trace 0: 10 output tokens, rows t = 1..9. Trace 1: one token (no rows). Trace 2: 3 tokens.
 DRAFT_LEN = [4, 0, 3, 5, 0, 2, 6, 1, 3] + [2, 0]
 LABEL = [3, 0, 0, 5, 0, 2, 6, 1, 3] + [2, 0]
@@ -28,7 +39,7 @@ MODEL_ACC = np.array([2, 0, 1, 0, 2, 0, 0, 1, 0] + [2, 2])
 
 
 def _input(survival: np.ndarray | None = None) -> SimInput:
-    return SimInput(
+    return rival_inputs(SimInput(
         trace=np.array([0] * 9 + [2] * 2),
         position=np.array(list(range(1, 10)) + [1, 2]),
         draft_len=np.array(DRAFT_LEN),
@@ -39,7 +50,7 @@ def _input(survival: np.ndarray | None = None) -> SimInput:
         output_len=np.array([10, 1, 3]),
         trace_workload=np.array([0, 0, 0]),
         survival=survival,
-    )
+    ))
 
 
 def _run(policy: str):
@@ -113,7 +124,8 @@ def test_decisions_values():
         decisions("bogus", data, DRAFTER, FLAT)
     with pytest.raises(ValueError, match="unknown policy 'bogus'"):
         simulate("bogus", data, DRAFTER, FLAT, MODEL_ACC)
-    assert set(POLICIES) == {"none", "suffix", "model", "arctic", "hvd", "hvd-binary", "oracle", "oracle-length"}
+    assert set(POLICIES) == {"none", "suffix", "model", "arctic", "vllm-adaptive", "sglang-hybrid", "trtllm", "hvd", "hvd-binary",
+                             "oracle", "oracle-length"}
     assert set(ALLOCATED) == {"hvd", "oracle-length"}
     assert [f"{c}/b{b}" for c, b in SETTINGS] == ["cpu-smollm2/b1", "cpu-smollm2/b8", "gpu-8b/b1", "gpu-8b/b64"]
     assert setting_name(CPU, 8) == "cpu/b8"
@@ -238,11 +250,11 @@ def test_regression_guard_hvd_binary_and_oracle_match_the_old_simulator(cost, po
 
 def _one_trace(draft_len, label, survival=None, length=None) -> SimInput:
     n = len(draft_len)
-    return SimInput(trace=np.zeros(n, np.int64), position=np.arange(1, n + 1), draft_len=np.array(draft_len),
+    return rival_inputs(SimInput(trace=np.zeros(n, np.int64), position=np.arange(1, n + 1), draft_len=np.array(draft_len),
                     label=np.array(label), score=np.zeros(n, np.float32),
                     predicted=np.zeros(n, np.float32) if survival is None else survival.sum(1).astype(np.float32),
                     traces=np.array([0]), output_len=np.array([length or n + 1]), trace_workload=np.array([0]),
-                    survival=survival)
+                    survival=survival))
 
 
 NO_MODEL = DrafterProfile("useless", draft_len=2, acceptance=0.0)  # its curve is all zero: never worth a call
@@ -276,12 +288,12 @@ def test_hvd_cuts_a_draft_where_its_survival_falls_off_a_cliff():
 
 # Three traces for lanes at batch 2. A (5 tokens): t=1 draft 2 right -> t=4 draft 1 wrong -> done.
 # B (3 tokens): t=1 no draft -> t=2 draft 3, 1 right (1 token left). C (2 tokens): t=1 draft 1 right.
-LANES = SimInput(
+LANES = rival_inputs(SimInput(
     trace=np.array([0, 0, 0, 0, 1, 1, 2]), position=np.array([1, 2, 3, 4, 1, 2, 1]),
     draft_len=np.array([2, 0, 0, 1, 0, 3, 1]), label=np.array([2, 0, 0, 0, 0, 1, 1]),
     score=np.zeros(7, np.float32), predicted=np.zeros(7, np.float32), traces=np.array([0, 1, 2]),
     output_len=np.array([5, 3, 2]), trace_workload=np.array([0, 0, 0]),
-)
+))
 # 10 ms + 2 ms per further running request + 1 ms per query token of the step.
 LINEAR = CostProfile("linear", base_ms=10.0, per_token_ms=1.0, draft_token_ms=0.0, per_request_ms=2.0)
 
@@ -346,8 +358,8 @@ def _random_input(seed: int, survival: str) -> tuple[SimInput, np.ndarray]:
     else:
         s = (rng.uniform(0.3, 0.95, n)[:, None] ** positions * (positions <= dl[:, None])).astype(np.float32)
     position = np.concatenate([np.arange(1, k) for k in lens])
-    data = SimInput(trace, position, dl, label, label.astype(np.float32), s.sum(1), np.arange(5), lens,
-                    rng.integers(0, 5, 5), survival=s)
+    data = rival_inputs(SimInput(trace, position, dl, label, label.astype(np.float32), s.sum(1), np.arange(5), lens,
+                                 rng.integers(0, 5, 5), survival=s))
     return data, rng.integers(0, 4, n)
 
 
@@ -383,7 +395,8 @@ def test_every_policy_emits_every_token_once(seed, batch, survival):
 def test_traces_of_one_token_are_one_plain_cycle_each():
     empty = np.zeros(0, np.int64)
     data = SimInput(empty, empty, empty, empty, np.zeros(0, np.float32), np.zeros(0, np.float32), np.array([0, 1, 2]),
-                    np.array([1, 1, 1]), np.array([0, 1, 2]), survival=np.zeros((0, 24), np.float32))
+                    np.array([1, 1, 1]), np.array([0, 1, 2]), survival=np.zeros((0, 24), np.float32),
+                    match_len=empty, token_prob=np.zeros((0, 24), np.float32))
     sim = Simulator(data, DRAFTER, empty)
     for policy in POLICIES:
         t = sim.lanes(policy, LINEAR, 2, [0, 1, 2])  # steps: (2 lanes, 2 tokens) 14 ms, then (1, 1) 11 ms

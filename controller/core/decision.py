@@ -14,6 +14,10 @@ tau = t(1 + k_c) / t(1) - 1.
 `arctic`: ArcticInference's rule, the baseline HVD must beat: verify the cache draft iff its
 suffix-tree score reaches the model drafter's draft length.
 
+`vllm-adaptive`, `sglang-hybrid`, `trtllm`: the competitors' own rules over the same drafts and
+costs (predictor.decision.rivals, each citing its source); they ignore the predictor and the tenants'
+tau overrides, and the learning ones learn only from what they verified.
+
 Above `max_running_for_speculation` running requests the step backs off: no speculation at all, or
 cache drafts only (`backoff="cache_only"`), because verification is no longer nearly free.
 """
@@ -26,6 +30,7 @@ import numpy as np
 from predictor.decision.allocator import CACHE, MODEL, NONE
 from predictor.decision.binary_rule import model_beats_plain, thresholds
 from predictor.decision.drafter_survival import DrafterSurvival
+from predictor.decision.rivals import RIVAL_RULES
 from predictor.decision.profiles import (
     DEFAULT_COST_PROFILE,
     CostProfile,
@@ -38,7 +43,7 @@ from storage.workloads import WORKLOADS
 SOURCE_NAMES = {NONE: "none", CACHE: "cache", MODEL: "model"}
 FALLBACKS = ("model", "none")
 BACKOFFS = ("none", "cache_only")
-RULES = ("allocator", "binary", "arctic")
+RULES = ("allocator", "binary", "arctic", *RIVAL_RULES)
 DEFAULT_MODEL_ACCEPTED = 0.75  # the model drafter's mean accepted length at k = 3 when no profile is given
 
 
@@ -101,7 +106,7 @@ class DecisionConfig:
 def effective_rule(rule: str, gate_kind: str) -> str:
     """The rule a predictor of this kind serves with: a point-estimate gate has no survival curve
     for the allocator, so it keeps the binary rule."""
-    return "binary" if rule == "allocator" and gate_kind != "survival" else rule
+    return "binary" if rule == "allocator" and gate_kind != "survival" else rule  # the rivals read no predictor
 
 
 def fallback_sources(mu_e: np.ndarray, config: DecisionConfig, batch: int) -> np.ndarray:

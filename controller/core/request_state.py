@@ -35,6 +35,7 @@ class VerifiedDraft:
     model: bool  # the model drafter's draft (else a cache prefix)
     version_id: int | None = None  # the predictor version of the step that planned it (model drafts' events)
     tracked: TrackedDraft | None = None  # the cache draft verified (its record learns what was verified)
+    token_prob: tuple[float, ...] | None = None  # a rival rule's cache draft: its tokens' probabilities (it learns from them)
 
 
 @dataclass(slots=True)

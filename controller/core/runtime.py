@@ -36,6 +36,7 @@ from controller.core.request_state import CacheDraftRecord, RequestState, Verifi
 from controller.core.snapshot import Controls, ServingSnapshot
 from predictor.decision.allocator import AUTO, FORCE_MODEL, FORCE_NONE, FULL_CACHE, NO_CACHE, allocate, allocate_one
 from predictor.decision.profiles import CostProfile, known_survival
+from predictor.decision.rivals import RIVAL_RULES, Outcome, StepView, conditional_probs, make_rival
 from predictor.drafting.cache_drafter import CacheDrafter, SuffixConfig
 from predictor.drafting.common_prefix import lcp
 from predictor.drafting.features import NUM_FEATURES, DraftContext, feature_matrix
@@ -176,6 +177,7 @@ class _Planned:
     model_k: int
     tau: np.ndarray  # float32: the tau each request was held to
     auto_tau: list[float]  # its automatic tau (what the events carry)
+    token_prob: np.ndarray | None = None  # a rival rule's view of the cache drafts' token probabilities
 
 
 class Runtime:
@@ -206,6 +208,10 @@ class Runtime:
         # The model drafter's survival curve per workload, live from hindsight; its mean accepted
         # length at the configured k is what the binary rule calls mu_e.
         self.model_curves = self.decision.model_survival()
+        # A competitor's rule (predictor.decision.rivals) in place of HVD's, with what it verified
+        # since its last step, which it learns from before it plans the next.
+        self.rival = make_rival(self.decision.rule) if self.decision.rule in RIVAL_RULES else None
+        self._rival_seen: list[tuple[int, int, int, tuple[float, ...] | None]] = []
         self._clock = clock  # the one clock: event times and override expiry
         self._told_binary = False
         self._snapshot = ServingSnapshot(gate, version_id, self._rule_for(gate, version_id))
@@ -363,6 +369,8 @@ class Runtime:
         """The rule the snapshot serves with decides what each request verifies."""
         if snap.rule == "allocator":
             return self._allocate(snap, ob.states, ob.workload, sc, ob.allowed, now)
+        if self.rival is not None:
+            return self._plan_rival(ob, sc)
         allowed = np.array(ob.allowed, dtype=bool)
         if snap.rule == "arctic":
             source, tau = self._decide_arctic(ob.rows, np.array(ob.main_row, dtype=np.int64), sc.lengths, allowed)
@@ -396,7 +404,8 @@ class Runtime:
             if src == MODEL:
                 st.verifying = VerifiedDraft(st.hindsight.output_len, model_k, True, snap.version_for(st.workload))
             elif src == CACHE:
-                st.verifying = VerifiedDraft(st.hindsight.output_len, c, False, None, owners[row_of[i]][1])
+                st.verifying = VerifiedDraft(st.hindsight.output_len, c, False, None, owners[row_of[i]][1],
+                                             None if pl.token_prob is None else tuple(pl.token_prob[i].tolist()))
         if model_k:
             stats.model_k_steps[model_k] = stats.model_k_steps.get(model_k, 0) + 1
             if CACHE in source:
@@ -522,6 +531,8 @@ class Runtime:
         self.stats.accepted_not_output += max(0, accepted - kept)
         if v.model:
             self._emit_model(st, v, n, accepted)
+        if self.rival is not None:
+            self._rival_seen.append((MODEL if v.model else CACHE, n, accepted, v.token_prob))
 
     def _draft(self, st: RequestState, rows: "_StepDrafts") -> int:
         """Draft at the request's current position; the draft joins its history at once (later
@@ -664,6 +675,37 @@ class Runtime:
         tau = np.where(mode == AUTO, plan.tau, held)
         return _Planned(plan.source, plan.length.tolist(), plan.model_k, np.where(has, tau, np.nan).astype(np.float32),
                         np.where(has, auto, np.nan).tolist())
+
+    def _plan_rival(self, ob: _Observed, sc: _Scored) -> _Planned:
+        """A competitor's rule: it first learns from what the engine verified since its last step
+        (its own censoring), then plans this one from what its engine would see."""
+        seen, self._rival_seen = self._rival_seen, []
+        width = max(max(sc.length_list, default=0), 1)
+        if seen:
+            src, ver, acc, probs = zip(*seen)
+            rows = np.zeros((len(seen), width), dtype=np.float64)
+            for i, p in enumerate(probs):
+                if p is not None:
+                    rows[i, : min(len(p), width)] = p[:width]
+            self.rival.learn(Outcome(np.array(src, np.int8), np.array(ver, np.int64), np.array(acc, np.int64), rows))
+        else:
+            self.rival.learn(Outcome(np.zeros(0, np.int8), np.zeros(0, np.int64), np.zeros(0, np.int64),
+                                     np.zeros((0, width))))
+        contexts, n = ob.rows.contexts, len(ob.states)
+        drafts = [contexts[r].draft if r >= 0 else None for r in ob.main_row]
+        d = self.decision
+        view = StepView(
+            cache_len=sc.lengths,
+            match_len=np.array([x.match_len if x is not None else 0 for x in drafts], dtype=np.int64),
+            score=np.array([x.score if x is not None else 0.0 for x in drafts], dtype=np.float64),
+            token_prob=conditional_probs([x.probs if x is not None else [] for x in drafts], width),
+            allowed=np.array(ob.allowed, dtype=bool),
+            model_survival=self.model_curves.curves(ob.workload) if d.model_drafting(n) else np.zeros((n, 0)),
+            batch=n)
+        plan = self.rival.plan(view, d.cost)
+        nan = [float("nan")] * n
+        return _Planned(plan.source, plan.length.tolist(), plan.model_k, np.full(n, np.nan, dtype=np.float32), nan,
+                        view.token_prob)
 
     def _decide(self, snap: ServingSnapshot, states: list[RequestState], predicted: np.ndarray, lengths: np.ndarray,
                 allowed: np.ndarray, now: float) -> tuple[np.ndarray, np.ndarray]:

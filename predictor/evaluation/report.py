@@ -9,10 +9,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from predictor.decision.profiles import CostProfile, DrafterProfile, ProfileError, cost_profiles
+from predictor.decision.rivals.step_view import conditional_matrix
+from predictor.decision.rivals.vllm_adaptive import POSITIONS
+from predictor.drafting.features import FEATURE_NAMES
 from predictor.evaluation.gate_quality import calibration, survival_reliability
 from predictor.evaluation.gate_quality import metrics_by_workload
-from predictor.evaluation.simulator import (POLICIES, SETTINGS, SimInput, Simulator, Tally, figures, model_accepted,
-                                 setting_name)
+from predictor.evaluation.simulator import (POLICIES, RIVALS, SETTINGS, SimInput, Simulator, Tally, figures,
+                                            model_accepted, setting_name)
 from predictor.gate.mlp import GatePredictor
 from predictor.replay.dataset import Dataset
 from storage.workloads import WORKLOADS
@@ -22,7 +25,7 @@ BINARY_MARGIN = 0.005  # hvd's ms_per_1k may exceed hvd-binary's by at most this
 ORACLE_LENGTH_GAP = 0.10  # hvd's overall ms_per_1k within this of oracle-length's, in every setting
 RELIABILITY_GAP = 0.03  # |mean predicted S(j) - observed| at every draft position j
 EXPENSIVE_SETTINGS = ("cpu-smollm2/b8", "gpu-8b/b64")  # where verification is dear: hvd must beat the oracle gate
-BASELINES = ("suffix", "model", "arctic")
+BASELINES = ("suffix", "model", "arctic", *RIVALS)
 RELIABILITY_KEY = "survival_reliability"  # the predictor's entry in `checks` (the others are drafter profiles)
 _GATE_CHUNK = 1 << 16
 SIMULATED_NOTE = ("Model-drafter figures are SIMULATED (a chain drafter with a stated per-token acceptance); "
@@ -30,7 +33,9 @@ SIMULATED_NOTE = ("Model-drafter figures are SIMULATED (a chain drafter with a s
                   "figures (speedup, ms_per_1k) come from the named cost profiles, not from a measurement. "
                   "hvd is the verification allocator (predictor.decision.allocator, the runtime's code) fed the "
                   "predictor's survival curves; hvd-binary is the binary goodput rule; oracle-length is the "
-                  "allocator fed the true accepted lengths.")
+                  "allocator fed the true accepted lengths. vllm-adaptive, sglang-hybrid and trtllm are the competitors' own "
+                  "rules (predictor.decision.rivals) on the same drafts and costs, each starting cold and learning only "
+                  "from what it verified.")
 POINT_GATE_NOTE = ("This predictor is a point-estimate gate (no survival curve): hvd falls back to the binary "
                    "rule (hvd-binary) and there is no reliability table.")
 
@@ -73,6 +78,8 @@ def evaluate(data: Dataset, gate: GatePredictor, drafters: Sequence[DrafterProfi
         trace=rp.trace[rows], position=rp.position[rows], draft_len=rp.draft_len[rows].astype(np.int64),
         label=rp.label[rows].astype(np.int64), score=rp.score[rows], predicted=predicted,
         traces=np.flatnonzero(keep), output_len=rp.output_len, trace_workload=rp.workload, survival=survival,
+        match_len=rp.features[rows, FEATURE_NAMES.index("match_len")].astype(np.int64),
+        token_prob=conditional_matrix(rp.token_probs, rp.draft_len, POSITIONS, rows),
     )
     has = sim.draft_len > 0
     gate_quality = metrics_by_workload(predicted[has], sim.label[has].astype(np.float64), rp.workload[sim.trace][has])
@@ -183,9 +190,10 @@ def checks(report: dict) -> dict:
 
         settings = list(hvd["overall"]["ms_per_1k"])
         scopes = ["overall", *hvd["by_workload"]]
-        ms_beats, vs_binary, vs_oracle, vs_length = {}, {}, {}, {}
+        ms_beats, vs_binary, vs_oracle, vs_length, vs_rivals = {}, {}, {}, {}, {}
         for s in settings:
             ms_beats[s] = {}
+            vs_rivals[s] = {w: {r: round(ms("hvd", s, w) / ms(r, s, w) - 1.0, 4) for r in RIVALS} for w in scopes}
             for w in scopes[1:]:
                 losers = [o for o in BASELINES if not ms("hvd", s, w) < ms(o, s, w)]
                 ms_beats[s][w] = not losers
@@ -203,6 +211,7 @@ def checks(report: dict) -> dict:
                     failures.append(f"{s}: hvd {100 * vs_oracle[s]:+.1f}% against the binary oracle gate (must be below)")
         entry.update({
             "ms_beats_baselines": ms_beats,
+            "ms_vs_rivals": vs_rivals,
             "ms_vs_hvd_binary": vs_binary,
             "within_hvd_binary": all(r <= BINARY_MARGIN for by in vs_binary.values() for r in by.values()),
             "ms_vs_oracle": vs_oracle,
@@ -238,7 +247,7 @@ def format_table(report: dict) -> str:
             lines.append(f"{policy:13s} {o['cycles_per_1k']:8.1f} " + " ".join(f"{fig['by_workload'][w]['cycles_per_1k']:9.1f}" for w in workloads)
                          + f" {o['tokens_per_cycle']:8.3f} {o['wasted_per_1k']:9.1f} {o['speedup']:8.3f}")
         c = report["checks"][name]
-        lines.append(f"HVD cycles below suffix/model/arctic on: {', '.join(w for w, ok in c['hvd_beats_baselines'].items() if ok) or 'none'}"
+        lines.append(f"HVD cycles below every baseline and rule on: {', '.join(w for w, ok in c['hvd_beats_baselines'].items() if ok) or 'none'}"
                      f"; not on: {', '.join(w for w, ok in c['hvd_beats_baselines'].items() if not ok) or 'none'}"
                      f"; cycles against the oracle gate {100 * c['oracle_gap']:+.1f}%")
         for setting in d["policies"]["none"]["overall"]["ms_per_1k"]:
@@ -247,7 +256,11 @@ def format_table(report: dict) -> str:
             for policy, fig in d["policies"].items():
                 lines.append(f"{policy:13s} {fig['overall']['ms_per_1k'][setting]:9.1f} "
                              + " ".join(f"{fig['by_workload'][w]['ms_per_1k'][setting]:9.1f}" for w in workloads))
-        lines.append("checks: hvd below suffix/model/arctic on every workload in every setting: "
+        lines.append("hvd against the competitors' rules, ms per 1000 tokens (negative: hvd faster):")
+        for setting, by in c["ms_vs_rivals"].items():
+            lines.append(f"  {setting:15s} " + "; ".join(
+                f"{r} " + " ".join(f"{w} {100 * v[r]:+.1f}%" for w, v in by.items()) for r in RIVALS))
+        lines.append(f"checks: hvd below {'/'.join(BASELINES)} on every workload in every setting: "
                      + ("yes" if all(ok for by in c["ms_beats_baselines"].values() for ok in by.values()) else "NO")
                      + f"; never more than {100 * BINARY_MARGIN:.1f}% above hvd-binary: {'yes' if c['within_hvd_binary'] else 'NO'}"
                      + f"; below the oracle gate at {', '.join(c['ms_vs_oracle']) or '-'}: {'yes' if c['beats_oracle'] else 'NO'}"

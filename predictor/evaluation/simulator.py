@@ -27,10 +27,13 @@ import numpy as np
 from predictor.decision.allocator import AUTO, FORCE_NONE, allocate, allocate_each
 from predictor.decision.binary_rule import model_beats_plain, thresholds
 from predictor.decision.profiles import CostProfile, DrafterProfile, accepted_from_survival, known_survival
+from predictor.decision.rivals import RIVAL_RULES, Outcome, StepView, make_rival
 from storage.workloads import WORKLOADS
 
-POLICIES: tuple[str, ...] = ("none", "suffix", "model", "arctic", "hvd", "hvd-binary", "oracle", "oracle-length")
+RIVALS: tuple[str, ...] = tuple(RIVAL_RULES)  # the competitors' rules (predictor.decision.rivals), decided online
+POLICIES: tuple[str, ...] = ("none", "suffix", "model", "arctic", *RIVALS, "hvd", "hvd-binary", "oracle", "oracle-length")
 ALLOCATED: tuple[str, ...] = ("hvd", "oracle-length")  # decided by predictor.decision.allocator
+RIVAL_LANES_B1 = 64  # batch 1: this many one-request engines advance in lockstep, one rule learning from all
 # (cost profile, batch size) pairs the report gives ms_per_1k for.
 SETTINGS: tuple[tuple[str, int], ...] = (("cpu-smollm2", 1), ("cpu-smollm2", 8), ("gpu-8b", 1), ("gpu-8b", 64))
 NONE, CACHE, MODEL = 0, 1, 2
@@ -109,6 +112,10 @@ class SimInput:
     output_len: np.ndarray  # per trace index
     trace_workload: np.ndarray  # per trace index
     survival: np.ndarray | None = None  # (rows, K) the gate's S(j) per row; None: a point-estimate gate
+    # What the competitors' rules read: the suffix match length and (rows, K) each draft token's
+    # probability given the ones before it (predictor.decision.rivals.step_view.conditional_matrix).
+    match_len: np.ndarray | None = None
+    token_prob: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.trace)
@@ -117,6 +124,10 @@ class SimInput:
                 raise ValueError(f"SimInput.{name} has {len(getattr(self, name))} rows, trace has {n}")
         if self.survival is not None and (self.survival.ndim != 2 or len(self.survival) != n):
             raise ValueError(f"SimInput.survival must be (rows, K) with {n} rows, got shape {self.survival.shape}")
+        if self.match_len is not None and len(self.match_len) != n:
+            raise ValueError(f"SimInput.match_len has {len(self.match_len)} rows, trace has {n}")
+        if self.token_prob is not None and (self.token_prob.ndim != 2 or len(self.token_prob) != n):
+            raise ValueError(f"SimInput.token_prob must be (rows, K) with {n} rows, got shape {self.token_prob.shape}")
 
 
 @dataclass(frozen=True)
@@ -210,6 +221,8 @@ class Simulator:
         self._order = np.full(len(data.output_len), -1, dtype=np.int64)  # trace index -> place in data.traces
         self._order[data.traces] = np.arange(len(data.traces))
         self._walks: dict[tuple, Walk] = {}
+        self._rival_runs: dict[tuple, tuple[Tally, dict[int, Tally]]] = {}
+        self.seed = 0
         self._cache_width = max(int(data.draft_len.max(initial=0)), 1)
 
     def uses_allocator(self, policy: str) -> bool:
@@ -220,6 +233,8 @@ class Simulator:
         """The per-row plan: fixed-plan policies at any batch size, the allocator's at batch 1 only."""
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; known: {POLICIES}")
+        if policy in RIVALS:
+            raise ValueError(f"{policy} learns as it decides: it has no fixed plan (use per_trace() or lanes())")
         if policy == "hvd" and not self.uses_allocator(policy):
             policy = "hvd-binary"
         if policy in ALLOCATED:
@@ -269,6 +284,8 @@ class Simulator:
     def per_trace(self, policy: str, cost: CostProfile, decide: CostProfile | None = None) -> dict[int, Tally]:
         """Batch 1: one Tally per trace index, every cycle priced with `cost`; the policy decides with
         `decide` if given (what a replica decides with before its live fit, priced at what steps cost)."""
+        if policy in RIVALS:
+            return self._rival_run(policy, cost, 1, self.data.traces, decide or cost)[1]
         w = self.walk(policy, decide or cost, 1)
         ms = np.asarray(cost.step_ms(1, w.query, w.model_k), dtype=np.float64)
         slots = len(self.data.traces)
@@ -297,6 +314,8 @@ class Simulator:
         traces = np.asarray(traces, dtype=np.int64)
         if len(traces) and (traces.min() < 0 or traces.max() >= len(self._order) or self._order[traces].min() < 0):
             raise ValueError("lanes(): every trace must be one of the SimInput's traces")
+        if policy in RIVALS:
+            return self._rival_run(policy, cost, batch, traces, decide or cost)[0]
         if batch > 1 and self.uses_allocator(policy):
             return self._allocated_lanes(policy, cost, batch, traces, decide or cost)
         return _fixed_lanes(self.walk(policy, decide or cost, batch), traces, len(self._order), cost, batch)
@@ -355,6 +374,91 @@ class Simulator:
             if not decode.all():
                 out.first_tokens += tokens
                 out.first_ms += ms
+
+
+    def _rival_run(self, policy: str, cost: CostProfile, batch: int, traces: np.ndarray,
+                   decide: CostProfile) -> tuple[Tally, dict[int, Tally]]:
+        """A competitor's rule, cold, deciding every engine step and learning from what it verified
+        (min(label, verified) for a cache prefix, the drawn acceptance for the model draft): at
+        batch b one engine of b lanes, at batch 1 RIVAL_LANES_B1 one-request engines in lockstep,
+        each step priced alone. The Tally of all, and one per trace (batch 1's figures)."""
+        traces = np.asarray(traces, dtype=np.int64)
+        key = (policy, cost, batch, decide, traces.tobytes())
+        if key in self._rival_runs:
+            return self._rival_runs[key]
+        data = self.data
+        if data.match_len is None or data.token_prob is None:
+            raise ValueError(f"{policy} needs SimInput.match_len and SimInput.token_prob (what its engine reads)")
+        rule = make_rival(policy, self.seed)
+        slots = len(self._order)
+        acc = {name: np.zeros(slots) for name in ("tokens", "cycles", "wasted", "cache", "model", "ms", "ftok", "fms")}
+        out = Tally()
+        width = batch if batch > 1 else RIVAL_LANES_B1
+        length_of, start, label, draw = data.output_len, self._start, data.label, self.model_acc
+        lane_trace = np.full(width, -1, dtype=np.int64)
+        lane_t = np.zeros(width, dtype=np.int64)
+        queued = 0
+        while True:
+            free = np.flatnonzero(lane_trace < 0)
+            take = min(len(free), len(traces) - queued)
+            if take:
+                lane_trace[free[:take]] = traces[queued : queued + take]
+                lane_t[free[:take]] = 0
+                queued += take
+            lanes = np.flatnonzero(lane_trace >= 0)
+            n = len(lanes)
+            if not n:
+                break
+            trace, t = lane_trace[lanes], lane_t[lanes]
+            decode = t > 0
+            if decode.any():
+                rows = np.where(decode, start[trace] + t - 1, 0)
+                cache_len = np.where(decode, data.draft_len[rows], 0).astype(np.int64)
+                view = StepView(cache_len, np.where(decode, data.match_len[rows], 0).astype(np.int64),
+                                np.where(decode, data.score[rows], 0.0).astype(np.float64),
+                                data.token_prob[rows].astype(np.float64), decode,
+                                self._curves[self._row_workload[rows]], batch)
+                plan = rule.plan(view, decide)
+                source, length, model_k = plan.source, plan.length, plan.model_k
+                verified_acc = np.where(source == CACHE, np.minimum(label[rows], length),
+                                        np.where(source == MODEL, np.minimum(draw[rows], length), 0))
+                rule.learn(Outcome(source, length, verified_acc, view.token_prob, steps=n if batch == 1 else 1))
+            else:  # every lane on its prefill cycle: a plain step, nothing to decide
+                source, length, model_k = np.zeros(n, np.int8), np.zeros(n, np.int64), 0
+                verified_acc = np.zeros(n, np.int64)
+            left = length_of[trace] - t
+            accepted = np.where(decode, np.minimum(verified_acc, left), 0)
+            lane_t[lanes] = t + accepted + 1
+            lane_trace[lanes[lane_t[lanes] >= length_of[trace]]] = -1
+            emitted = np.where(decode, np.minimum(accepted + 1, left), 1)
+            is_cache, is_model = source == CACHE, source == MODEL
+            if batch == 1:
+                ms = np.asarray(cost.step_ms(1, 1 + length, np.where(is_model, length, 0)), dtype=np.float64)
+                for name, v in (("tokens", emitted), ("cycles", 1), ("wasted", length - accepted), ("cache", is_cache),
+                                ("model", is_model), ("ms", ms), ("ftok", np.where(decode, 0, emitted)),
+                                ("fms", np.where(decode, 0.0, ms))):
+                    np.add.at(acc[name], trace, v)
+                continue
+            ms = float(cost.step_ms(n, n + int(length.sum()), model_k))
+            tokens = int(emitted.sum())
+            out.tokens += tokens
+            out.cycles += 1
+            out.wasted += int((length - accepted).sum())
+            out.cache_cycles += int(np.count_nonzero(is_cache))
+            out.model_cycles += int(np.count_nonzero(is_model))
+            out.time_ms += ms
+            if not decode.all():
+                out.first_tokens += tokens
+                out.first_ms += ms
+        per: dict[int, Tally] = {}
+        if batch == 1:
+            for t in traces.tolist():
+                per[t] = Tally(tokens=int(acc["tokens"][t]), cycles=int(acc["cycles"][t]), wasted=int(acc["wasted"][t]),
+                               cache_cycles=int(acc["cache"][t]), model_cycles=int(acc["model"][t]),
+                               time_ms=float(acc["ms"][t]), first_tokens=int(acc["ftok"][t]), first_ms=float(acc["fms"][t]))
+                out.add(per[t])
+        self._rival_runs[key] = (out, per)
+        return out, per
 
 
 def trace_starts(data: SimInput) -> np.ndarray:

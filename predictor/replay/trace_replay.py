@@ -38,6 +38,10 @@ class ReplayResult:
     score: np.ndarray  # float32: the cache's own score (sum of path probabilities)
     features: np.ndarray  # float32 (rows x NUM_FEATURES)
     records: list[TraceRecord] = field(default_factory=list)
+    # float32: every draft's path probabilities (arctic-inference's `probs`), the rows' drafts laid end
+    # to end in row order (row i's are draft_len[i] values from sum(draft_len[:i])): what rules that
+    # read per-token confidences (predictor.decision.rivals) see
+    token_probs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
     output_len: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     workload: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int8))  # per trace
 
@@ -93,6 +97,7 @@ class _TraceRows:
     label: np.ndarray
     score: np.ndarray
     features: np.ndarray
+    token_probs: np.ndarray
 
 
 def _replay_one(drafter: CacheDrafter, record: TraceRecord, trace: int, tokenizer: TraceTokenizer) -> _TraceRows:
@@ -122,7 +127,8 @@ def _replay_one(drafter: CacheDrafter, record: TraceRecord, trace: int, tokenize
                       np.fromiter((len(d.token_ids) for d in drafts), dtype=np.int16, count=len(drafts)),
                       np.array(labels, dtype=np.int16),
                       np.fromiter((d.score for d in drafts), dtype=np.float32, count=len(drafts)),
-                      feature_matrix(rows, token_classes(tokenizer)))
+                      feature_matrix(rows, token_classes(tokenizer)),
+                      np.fromiter((p for d in drafts for p in d.probs), dtype=np.float32))
 
 
 def _concat(parts: list[_TraceRows], records: list[TraceRecord], output_len: np.ndarray,
@@ -140,6 +146,7 @@ def _concat(parts: list[_TraceRows], records: list[TraceRecord], output_len: np.
         score=cat("score", np.float32),
         features=cat("features", np.float32, (0, NUM_FEATURES)),
         records=records,
+        token_probs=cat("token_probs", np.float32),
         output_len=output_len,
         workload=workload,
     )

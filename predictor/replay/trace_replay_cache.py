@@ -19,9 +19,9 @@ from predictor.drafting.cache_drafter import SuffixConfig
 from predictor.drafting.features import schema_hash
 from predictor.replay.trace_replay import ProgressFn, ReplayResult, replay
 
-REPLAY_VERSION = 1  # bump when replay semantics change without a feature schema change
+REPLAY_VERSION = 2  # 2: token_probs. Bump when replay semantics change without a feature schema change
 DEFAULT_CACHE_DIR = REPO_ROOT / "var" / "cache"
-_ARRAYS = ("trace", "position", "draft_len", "label", "score", "features", "output_len", "workload")
+_ARRAYS = ("trace", "position", "draft_len", "label", "score", "features", "output_len", "workload", "token_probs")
 
 
 def replay_key(records: Sequence[TraceRecord], config: SuffixConfig) -> str:
