@@ -51,7 +51,7 @@ from eagle3_training.corpus import held_out_prompts  # noqa: E402
 BENCH_WORKLOADS = ("agentic", "code_edit", "sql")
 HYBRID_METHODS = ("hvd", "hvd-binary", "hvd-none")
 SERVER_METHODS = ("none", "ngram", "suffix", "eagle3", "hvd")
-SERVED_BY_HVD = {"hvd": "model", "hvd-none": "none"}  # `hvd serve --fallback ...`
+SERVED_BY_HVD = {"hvd": "model", "hvd-none": "none", **{m: "model" for m in ve.RIVAL_METHODS}}  # `hvd serve --fallback ...`
 PRELOAD_CHOICES = {"on": (True,), "off": (False,), "both": (True, False)}
 # Targets from the allocator issue: HVD against the best non-HVD method's tokens/s, per batch size.
 SPEED_GOALS = {1: 1.0, 8: 1.15}
@@ -123,7 +123,8 @@ def server_command(method: str, port: int, preload: bool, database_url: str,
     from controller.cli.serve_vllm import ServeOptions, command, server_argv
 
     opts = ServeOptions(database_url=database_url, port=port, preload=preload, dtype=dtype,
-                        vllm_args=tuple(ve.measured_server_args()), fallback=SERVED_BY_HVD.get(method, "model"))
+                        vllm_args=tuple(ve.measured_server_args()), fallback=SERVED_BY_HVD.get(method, "model"),
+                        rule=ve.method_env(method)["HVD_RULE"] or "allocator" if method in SERVED_BY_HVD else "allocator")
     if method in SERVED_BY_HVD:
         return command(opts)
     if method not in ve.METHODS or method in ve.HYBRIDS:
@@ -277,6 +278,12 @@ def _targets(med: dict[str, dict[str, float]], size: int) -> None:
         goal = DECODE_GOALS.get(size)
         print(f"  hvd / suffix, decode tokens/s per request (streamed, apart from prefill): {ratio:.3f}"
               + ("" if goal is None else f"  (target >= {goal:.2f}: {verdict(ratio, goal)})"))
+    key = "decode_tps" if "decode_tps" in med["hvd"] else "tokens_per_s"
+    for m in ve.RIVAL_METHODS:  # issue 29: HVD at least as fast as every competitor's rule
+        if m in med and key in med[m]:
+            ratio = med["hvd"][key] / med[m][key]
+            print(f"  hvd / {m} ({'decode tokens/s per request' if key == 'decode_tps' else 'tokens/s'}): {ratio:.3f}"
+                  f"  (target >= 1.00: {verdict(ratio, 1.0)})")
     if "suffix" in med:
         h, s = med["hvd"]["rejected"], med["suffix"]["rejected"]
         print(f"  rejected draft tokens per 1000: hvd {h:.1f} vs suffix {s:.1f}  (target fewer than suffix: "

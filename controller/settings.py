@@ -79,7 +79,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "hold every request to this tau: its whole cache draft iff the predicted length beats it"),
     Setting("HVD_RULE", one_of("controller.core.decision:RULES"), "allocator",
             "allocator: HVD (per-step plan over cache prefixes, model draft length, none); binary: the "
-            "predicted length against tau, whole drafts; arctic: ArcticInference's score rule (the baseline)"),
+            "predicted length against tau, whole drafts; arctic: ArcticInference's score rule (the baseline); "
+            "vllm-adaptive, sglang-hybrid, trtllm: those engines' own rules on HVD's drafts and costs"),
     Setting("HVD_EAGLE_WARM", parse_flag, False, "EAGLE drafts one token even in steps without a model draft"),
     Setting("HVD_DEFAULT_WORKLOAD", one_of("storage.workloads:WORKLOADS"), "chat",
             "workload of requests that name none"),

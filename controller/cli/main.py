@@ -166,6 +166,11 @@ def _parser() -> _Parser:
     sv.add_argument("--max-running", type=int, help="back off from speculation above this many running requests")
     sv.add_argument("--backoff", choices=BACKOFFS, default=ServeOptions.backoff,
                     help="what back-off means: no speculation, or cache drafts only")
+    sv.add_argument("--rule", choices=RULES, default=ReplayServeOptions.rule,
+                    help="allocator: HVD's per-step plan; binary: the predicted length against tau, whole drafts; "
+                         "arctic: ArcticInference's score rule; vllm-adaptive, sglang-hybrid, trtllm: those engines' "
+                         "own rules on HVD's drafts and costs (docs/design/rivals.md) "
+                         f"(default {ReplayServeOptions.rule})")
     rp = sv.add_argument_group("replay engine")
     rp.add_argument("--traces", nargs="+", metavar="PATH", help="traces to serve (default: the bundled set)")
     rp.add_argument("--max-requests", type=int, help="stop after this many requests (default: all)")
@@ -184,9 +189,6 @@ def _parser() -> _Parser:
     rp.add_argument("--synchronous", action="store_true",
                     help="run writers and learner inside the serving loop: deterministic, slower")
     rp.add_argument("--seed", type=int, default=ReplayServeOptions.seed)
-    rp.add_argument("--rule", choices=RULES, default=ReplayServeOptions.rule,
-                    help="allocator: HVD's per-step plan; binary: the predicted length against tau, whole drafts; "
-                         f"arctic: ArcticInference's score rule (default {ReplayServeOptions.rule})")
     rp.add_argument("--metrics-port", metavar="PORT",
                     help="serve the hvd_* Prometheus metrics (the ones vLLM's /metrics shows with --engine vllm) at "
                          "http://ADDRESS:PORT/metrics while serving (0 or absent: off)")
@@ -213,6 +215,9 @@ def _parser() -> _Parser:
     sc.add_argument("--repeats", type=int, default=None,
                     help="unseen: serve each source this many times, serving seeds --seed, --seed + 1, ...; the table "
                          f"gives medians and the gains' range (default {scenario_defaults.REPEATS})")
+    sc.add_argument("--rivals", nargs="*", default=None, choices=["vllm-adaptive", "sglang-hybrid", "trtllm"],
+                    help="unseen: also serve each source with the competitors' rules (all three if none is named), "
+                         "each learning only from what it verified; a table of HVD against each, and per window")
     sc.add_argument("--workload", default="sql", help="shift: the workload left out of the warm start (default sql)")
     sc.add_argument("--others", type=int, default=scenario_defaults.OTHERS,
                     help=f"shift: requests of other workloads served first (default {scenario_defaults.OTHERS})")
@@ -460,7 +465,7 @@ def _serve(args: argparse.Namespace, engine) -> int:
     exec_server(ServeOptions(database_url=engine.url.render_as_string(hide_password=False), host=args.host,
                              port=args.port, fallback=args.fallback, dtype=args.dtype,
                              max_running=args.max_running, backoff=args.backoff, preload=not args.no_preload,
-                             served_model_name=args.served_model_name, vllm_args=args.vllm_args))
+                             served_model_name=args.served_model_name, vllm_args=args.vllm_args, rule=args.rule))
     return 0
 
 
@@ -599,7 +604,8 @@ def _scenario_unseen(args: argparse.Namespace, path: Path) -> int:
     for source in args.source or known:
         print(f"leaving out {source}:", flush=True)
         reports.append(run_unseen(data, source, path.parent / "scenario-unseen", opts, window_tokens=window,
-                                  max_tokens=args.max_tokens or None, informed=args.informed, repeats=repeats))
+                                  max_tokens=args.max_tokens or None, informed=args.informed, repeats=repeats,
+                                  rivals=_rivals(args.rivals)))
         print(format_windows(reports[-1]), flush=True)
     print(format_table(reports))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -608,6 +614,13 @@ def _scenario_unseen(args: argparse.Namespace, path: Path) -> int:
                                 "sources": reports}, indent=1))
     print(f"report written to {path}")
     return 0
+
+
+def _rivals(named: list[str] | None) -> tuple[str, ...]:
+    """--rivals: none given means all of them; absent means none."""
+    from predictor.decision.rivals import RIVAL_RULES
+
+    return () if named is None else tuple(named or RIVAL_RULES)
 
 
 def _profile(args: argparse.Namespace) -> int:

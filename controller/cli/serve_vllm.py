@@ -125,6 +125,7 @@ class ServeOptions:
     served_model_name: str = "smollm2"
     preload: bool = True  # tcmalloc + Intel OpenMP in LD_PRELOAD (vllm_engine.ld_preload)
     vllm_args: tuple[str, ...] = ()  # vLLM server arguments, after HVD's (what follows `--`)
+    rule: str = "allocator"  # controller.core.decision.RULES (HVD_RULE)
 
 
 def serve_dtype(opts: ServeOptions) -> tuple[str, str]:
@@ -144,7 +145,7 @@ def command(opts: ServeOptions, dtype: str | None = None) -> tuple[list[str], di
     env = ve.subprocess_env(opts.preload)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.update({"HVD_HYBRID": "1", "HVD_DATABASE_URL": _absolute(opts.database_url), "HVD_FALLBACK": opts.fallback,
-                "HVD_BACKOFF": opts.backoff})
+                "HVD_BACKOFF": opts.backoff, "HVD_RULE": opts.rule})
     if opts.max_running is not None:
         env["HVD_MAX_RUNNING"] = str(opts.max_running)
     if not env.get("PROMETHEUS_MULTIPROC_DIR"):  # one the operator set is theirs to keep clean

@@ -30,6 +30,7 @@ from controller.scenarios.defaults import MAX_TOKENS, REPEATS
 from controller.scenarios.defaults import UNSEEN_WINDOW_TOKENS as WINDOW_TOKENS
 from controller.scenarios.shift import fresh_db
 from predictor.data.streams import source_heads
+from predictor.decision.rivals import RIVAL_RULES
 from predictor.data.traces import TraceRecord
 from predictor.drafting.features import schema_hash
 from predictor.evaluation.gate_quality import precision_recall
@@ -52,6 +53,10 @@ SPREAD = ("learning_gain", "learning_gain_ms", "above_oracle", "above_oracle_aft
           "above_oracle_ms_after_first_window", "precision_after_first_window", "recall_after_first_window",
           "ceiling_gain", "ceiling_gain_ms", "headroom", "headroom_ms")
 MODES = ("learn", "static", "oracle", "perfect")  # learning on, learning off, the binary oracle gate, a perfect predictor
+# With `rivals`, the competitors' rules (predictor.decision.rivals) serve the same stream too, each as
+# its own mode named for it: HVD's learner off, the rule starting cold and learning only from what it
+# verified, as in its own engine.
+RIVAL_MODES = tuple(RIVAL_RULES)
 ORACLE_OF = {"oracle": "gate", "perfect": "predictor"}  # the replay engine's oracle (trace_engine.ORACLES) per mode
 # Served like "static" but from a gate that was trained with S in (S's drafts, repeated to as many
 # as the others' sample, beside that sample): not deployable, it has seen S's traffic. It bounds
@@ -185,7 +190,8 @@ def serve_mode(mode: str, gate: GatePredictor, stream: Sequence[TraceRecord], fo
     source, workload = stream[0].source, stream[0].workload
     url = fresh_db(folder / f"unseen-{source}-{mode}.db", gate, f"warm start without {source}", "hvd scenario unseen")
     run_opts = ReplayServeOptions(**{**asdict(opts), "learner": opts.learner, "learn": mode == "learn",
-                                     "oracle": ORACLE_OF.get(mode), "synchronous": True})
+                                     "oracle": ORACLE_OF.get(mode), "synchronous": True,
+                                     "rule": mode if mode in RIVAL_MODES else opts.rule})
     points: list[Point] = []
 
     def on_step(run, runtime) -> None:
@@ -261,12 +267,15 @@ def after_first(windows: list[WindowFigures], attr: str) -> float:
 def run_unseen(data: Dataset, source: str, folder: Path, opts: ReplayServeOptions | None = None,
                train: TrainConfig | None = None, window_tokens: int = WINDOW_TOKENS,
                max_tokens: int | None = MAX_TOKENS, informed: str | None = None, repeats: int = 1,
-               log: Callable[[str], None] = print) -> dict:
+               log: Callable[[str], None] = print, rivals: Sequence[str] = ()) -> dict:
     """Leave `source` out of the warm start, serve its stream four ways (five with `informed`: the
-    ceiling for learning), `repeats` times with serving seeds opts.seed, opts.seed + 1, ...; the
-    report as plain data (see `combine`)."""
+    ceiling for learning; one more per rule of `rivals`), `repeats` times with serving seeds
+    opts.seed, opts.seed + 1, ...; the report as plain data (see `combine`)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    bad = [r for r in rivals if r not in RIVAL_MODES]
+    if bad:
+        raise ValueError(f"unknown rival rule {bad[0]!r}; known: {RIVAL_MODES}")
     known = sources(data.records)
     if source not in known:
         raise ValueError(f"unknown source {source!r}; bundled sources: {', '.join(known)}")
@@ -275,7 +284,7 @@ def run_unseen(data: Dataset, source: str, folder: Path, opts: ReplayServeOption
     folder.mkdir(parents=True, exist_ok=True)
     gate = train_without(data, source, train, folder / "gates", log)
     stream = stream_of(data, source, max_tokens)
-    gates = {m: gate for m in MODES}
+    gates = {m: gate for m in (*MODES, *rivals)}
     if informed is not None:
         gates[INFORMED] = train_without(data, source, train, folder / "gates", log, informed=informed,
                                         max_tokens=max_tokens)
@@ -299,6 +308,10 @@ def combine(runs: list[dict]) -> dict:
     keys = [k for k in SPREAD if k in out]
     out.update({k: round(float(np.median([r[k] for r in runs])), 4) for k in keys})
     out["spread"] = {k: [min(r[k] for r in runs), max(r[k] for r in runs)] for k in keys}
+    if "vs_rivals_ms" in out:  # hvd's learning run against each rule: its median over the repeats, and range
+        out["vs_rivals_ms"] = {m: round(float(np.median([r["vs_rivals_ms"][m] for r in runs])), 4) for m in out["vs_rivals_ms"]}
+        out["spread"]["vs_rivals_ms"] = {m: [min(r["vs_rivals_ms"][m] for r in runs), max(r["vs_rivals_ms"][m] for r in runs)]
+                                         for m in out["vs_rivals_ms"]}
     out["repeats"] = [{"seed": r["seed"], **{k: r[k] for k in keys},
                        **{f"{m}_{unit}": r["modes"][m][unit] for m in r["modes"] for unit in ("cycles_per_1k", "ms_per_1k")},
                        "promotions": r["modes"]["learn"]["promotions"], "rollbacks": r["modes"]["learn"]["rollbacks"]}
@@ -315,9 +328,11 @@ def summarise(source: str, workload: str, modes: dict[str, ModeReport]) -> dict:
         informed = modes[INFORMED]
         ceiling = {"ceiling_gain": round(1.0 - informed.cycles_per_1k / static.cycles_per_1k, 4),
                    "ceiling_gain_ms": round(1.0 - informed.ms_per_1k / static.ms_per_1k, 4)}
+    rivals = {m: round(learn.ms_per_1k / r.ms_per_1k - 1.0, 4) for m, r in modes.items() if m in RIVAL_MODES}
     return {
         "source": source, "workload": workload, "tokens": learn.tokens,
         "modes": {m: asdict(r) for m, r in modes.items()}, **ceiling,
+        **({"vs_rivals_ms": rivals} if rivals else {}),
         "learning_gain": round(1.0 - learn.cycles_per_1k / static.cycles_per_1k, 4),
         "learning_gain_ms": round(1.0 - learn.ms_per_1k / static.ms_per_1k, 4),
         # what a perfect predictor gains over learning off: about the most any predictor could
@@ -400,6 +415,29 @@ def format_table(reports: list[dict]) -> str:
             f"{r['source']} {100 * r['ceiling_gain']:+.1f}% cycles {100 * r['ceiling_gain_ms']:+.1f}% ms" for r in reports))
     for what, met, detail in checks(reports):
         lines.append(f"  [{'met' if met else 'MISSED'}] {what}: {detail}")
+    if any("vs_rivals_ms" in r for r in reports):
+        lines.append(format_rivals(reports))
+    return "\n".join(lines)
+
+
+def format_rivals(reports: list[dict]) -> str:
+    """HVD (learning on, and off) against each competitor's rule on every left-out source, in
+    simulated ms per 1000 tokens of the run with the median gain; the margin is the median over
+    the repeats, with its range."""
+    rules = [m for m in RIVAL_MODES if all(m in r["modes"] for r in reports)]
+    head = (f"{'left-out source':32s} | {'ms/1k learn':>11s} {'static':>8s} | " + " ".join(f"{m:>13s}" for m in rules)
+            + " | " + " ".join(f"{'vs ' + m:>26s}" for m in rules))
+    lines = ["", "HVD against the competitors' rules (simulated ms/1k; vs: learning on over the rule, median [range] "
+             "over the seeds; negative: HVD faster)", head, "-" * len(head)]
+    for r in reports:
+        m = r["modes"]
+        vs = [f"{100 * r['vs_rivals_ms'][k]:+6.1f}% [{100 * r['spread']['vs_rivals_ms'][k][0]:+.1f}..{100 * r['spread']['vs_rivals_ms'][k][1]:+.1f}]"
+              for k in rules]
+        lines.append(f"{r['source']:32s} | {m['learn']['ms_per_1k']:11.1f} {m['static']['ms_per_1k']:8.1f} | "
+                     + " ".join(f"{m[k]['ms_per_1k']:13.1f}" for k in rules) + " | " + " ".join(f"{v:>26s}" for v in vs))
+    beaten = [f"{r['source']} ({k})" for r in reports for k in rules if r["vs_rivals_ms"][k] >= 0]
+    lines.append(f"  [{'met' if not beaten else 'MISSED'}] HVD learning on below every rule on every source: "
+                 f"{'yes' if not beaten else 'not against ' + ', '.join(beaten)}")
     return "\n".join(lines)
 
 
@@ -408,9 +446,13 @@ def format_windows(report: dict) -> str:
              f"{'tokens':>8s} | {'cycles/1k learn':>15s} {'static':>7s} {'oracle':>7s} | {'ms/1k learn':>11s} "
              f"{'static':>8s} {'oracle':>8s} {'perfect':>8s} | {'P@6':>5s} {'R@6':>5s} {'calib':>6s} | {'changes':>7s}"]
     m = report["modes"]
-    for wl, ws, wo, wp in zip(*(m[mode]["windows"] for mode in MODES)):
+    rules = [k for k in RIVAL_MODES if k in m]
+    if rules:
+        lines[1] += " | " + " ".join(f"{k:>13s}" for k in rules)
+    for wl, ws, wo, wp, *wr in zip(*(m[mode]["windows"] for mode in (*MODES, *rules))):
         lines.append(f"{wl['tokens_until']:8d} | {wl['cycles_per_1k']:15.1f} {ws['cycles_per_1k']:7.1f} "
                      f"{wo['cycles_per_1k']:7.1f} | {wl['ms_per_1k']:11.1f} {ws['ms_per_1k']:8.1f} {wo['ms_per_1k']:8.1f} "
                      f"{wp['ms_per_1k']:8.1f} | "
-                     f"{wl['precision']:5.2f} {wl['recall']:5.2f} {wl['calibration_gap']:6.2f} | {wl['champion_changes']:7d}")
+                     f"{wl['precision']:5.2f} {wl['recall']:5.2f} {wl['calibration_gap']:6.2f} | {wl['champion_changes']:7d}"
+                     + ("" if not rules else " | " + " ".join(f"{w['ms_per_1k']:13.1f}" for w in wr)))
     return "\n".join(lines)
