@@ -120,8 +120,9 @@ class Fleet:
         if killed:
             return
         text = Path(proc.log_path).read_text()  # type: ignore[attr-defined]
-        if code == 2 and re.search(r"^hvd serve: error: (cannot reach )?database ", text, re.M) and "serving " not in text:
-            return  # started while PostgreSQL restarted: refused at start-up, nothing produced
+        if code == 2 and re.search(r"^hvd serve: error: (cannot reach )?database ", text, re.M) and \
+                ("serving " not in text or "start-up failed: nothing was served" in text):
+            return  # started while PostgreSQL restarted: refused at start-up (before or after its banner), nothing produced
         m = TALLY.search(text)
         self.check(m is not None, f"{name}: no tally printed: {text[-1500:]}")
         if m is None:

@@ -215,3 +215,19 @@ def test_bad_metrics_flags_are_one_line_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("hvd serve: error: --metrics-port and --metrics-linger are for --engine replay") \
         and err.count("\n") == 1
+
+
+def test_a_start_up_refusal_says_nothing_was_served(tmp_path):
+    """A supervisor reading the log tells a start refused by the database (restart it) from a run that
+    failed while serving: the banner comes before the stack is built, so the refusal says so."""
+    from controller.cli.serve_traces import ReplayServeOptions, serve_replay
+    from predictor.data.traces import bundled_traces_path, load_traces
+    from storage.migrate import upgrade
+
+    engine = make_engine(f"sqlite:///{tmp_path / 'empty.db'}")
+    upgrade(engine)  # no champion: the stack cannot load a predictor
+    records = load_traces([bundled_traces_path()])[0][:2]
+    said: list[str] = []
+    with pytest.raises(LookupError):
+        serve_replay(engine, records, ReplayServeOptions(synchronous=True), log=said.append, banner="serving 2")
+    assert said == ["serving 2", "start-up failed: nothing was served"]

@@ -129,6 +129,7 @@ def serve_replay(engine: Engine, records: Sequence[TraceRecord], opts: ReplaySer
     except BaseException:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        log("start-up failed: nothing was served")  # a supervisor tells a refused start from a failed run
         raise
     runtime, learner = stack.runtime, stack.learner
     if opts.synchronous:

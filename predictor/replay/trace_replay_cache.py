@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -51,7 +52,7 @@ def cached_replay(records: Sequence[TraceRecord], tokenizer: TraceTokenizer, con
             path.unlink(missing_ok=True)  # a damaged cache file is rebuilt, never trusted
     result = replay(records, tokenizer, config, progress)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.npz")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")  # processes replaying the same traces at once each write their own
     np.savez(tmp, **{name: getattr(result, name) for name in _ARRAYS})
     tmp.replace(path)
     return result
