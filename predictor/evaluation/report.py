@@ -60,10 +60,13 @@ def parse_settings(names: Sequence[str], profiles: dict[str, CostProfile]) -> li
 
 def evaluate(data: Dataset, gate: GatePredictor, drafters: Sequence[DrafterProfile], cost: CostProfile,
              seed: int = 0, all_traces: bool = False, version_id: int | None = None,
-             settings: Sequence[tuple[CostProfile, int]] | None = None, decide: CostProfile | None = None) -> dict:
+             settings: Sequence[tuple[CostProfile, int]] | None = None, decide: CostProfile | None = None,
+             traces: tuple[str, np.ndarray] | None = None) -> dict:
     """`cost` prices the batch-1 figures (cycles, speedup: the seed's report); `settings` the ms_per_1k.
     `decide`, if given, is what the policies decide with (e.g. the prior a replica serves with before
-    its live fit) while every step is still priced with `cost` or the setting's profile."""
+    its live fit) while every step is still priced with `cost` or the setting's profile. `traces`:
+    (what they are, a mask over data.records) to evaluate instead of the held-out sessions, e.g. a
+    source the gate never saw."""
     settings = list(default_settings() if settings is None else settings)
     if not settings:
         raise ValueError("evaluate needs at least one (cost profile, batch) setting")
@@ -71,7 +74,12 @@ def evaluate(data: Dataset, gate: GatePredictor, drafters: Sequence[DrafterProfi
     if len(set(names)) != len(names):
         raise ValueError(f"settings repeat: {names}")
     rp = data.replay
-    keep = np.ones(len(data.records), dtype=bool) if all_traces else data.test_traces
+    if traces is not None and all_traces:
+        raise ValueError("evaluate: give all_traces or traces, not both")
+    split, keep = traces if traces is not None else (
+        ("all traces", np.ones(len(data.records), dtype=bool)) if all_traces else ("held-out sessions", data.test_traces))
+    if len(keep) != len(data.records) or not keep.any():
+        raise ValueError(f"evaluate: no traces to evaluate in {split!r}")
     rows = keep[rp.trace]
     survival, predicted = _gate_outputs(gate, rp.features[rows])
     sim = SimInput(
@@ -88,7 +96,7 @@ def evaluate(data: Dataset, gate: GatePredictor, drafters: Sequence[DrafterProfi
     report = {
         "note": SIMULATED_NOTE + ("" if survival is not None else " " + POINT_GATE_NOTE),
         "predictor_version": version_id,
-        "split": "all traces" if all_traces else "held-out sessions",
+        "split": split,
         "data": {"traces": int(keep.sum()), "output_tokens": int(rp.output_len[keep].sum()),
                  "cache_drafts": int(has.sum())},
         "decided_with": decide.name if decide is not None else None,
