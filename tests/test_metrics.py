@@ -182,6 +182,11 @@ def test_a_runtime_counts_its_decisions_tau_and_versions(records, tokenizer):
     assert value(registry, "hvd_champion_version") == 5
     assert value(registry, "hvd_predictor_version", workload="sql") == 9
     assert value(registry, "hvd_predictor_version", workload="chat") == 5
+    # the poller's next rounds load the same versions afresh (new objects holding arrays), then a new one
+    first.set_workload_gates({"sql": (random_survival_gate(), 9)})
+    assert value(registry, "hvd_predictor_version", workload="sql") == 9
+    first.set_workload_gates({"sql": (random_survival_gate(), 11)})
+    assert value(registry, "hvd_predictor_version", workload="sql") == 11
 
 
 def test_events_the_writer_drops_in_an_outage_count_as_dropped(tmp_path):

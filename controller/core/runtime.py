@@ -244,7 +244,7 @@ class Runtime:
                                dict(workload_gates) if workload_gates is not None else old.workload_gates,
                                controls if controls is not None else old.controls)
         self._snapshot = snap
-        if (snap.version_id, dict(snap.workload_gates)) != (old.version_id, dict(old.workload_gates)):
+        if _versions_of(snap) != _versions_of(old):
             self._report_versions()
 
     def set_cost(self, cost: CostProfile) -> None:
@@ -816,3 +816,8 @@ class _StepDrafts:
 
     def scores(self) -> np.ndarray:
         return np.fromiter((c.draft.score for c in self.contexts), dtype=np.float64, count=len(self.contexts))
+
+
+def _versions_of(snap: ServingSnapshot) -> tuple[int | None, dict[str, int]]:
+    """Which versions a snapshot serves, by id (a GatePredictor holds arrays: it has no plain ==)."""
+    return snap.version_id, {w: v for w, (_, v) in snap.workload_gates.items()}
