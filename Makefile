@@ -104,6 +104,8 @@ test-fast: setup
 
 # The hybrids in bench/vllm_methods.py read the champion of $(DB): warm start first if there is none.
 # bench/runtime_step.py: the runtime's own time per step at batch 1 and 64, on recorded replay-engine steps.
+# bench/rival_estimator_fit.py: vLLM's acceptance logistic (the vllm-adaptive rule) on held-out suffix drafts, with and
+# without the rule's trust region.
 # bench/outage.py: a 60 s PostgreSQL outage (TCP proxy, test server) under the bundled stream.
 # bench/tenants_at_scale.py: 10,000 tenants x 30 days of statistics: each dashboard page's queries and its render in
 # Chromium (SQLite, and PostgreSQL when the test server answers); one replica's memory with 10,000 tenants served.
@@ -118,6 +120,7 @@ bench: setup
 	$(PY) bench/runtime_step.py --json var/bench-runtime-step.json
 	$(PY) bench/outage.py
 	$(PY) bench/tenants_at_scale.py
+	$(PY) bench/rival_estimator_fit.py
 	$(PY) bench/vllm_cost_curve.py --model $(MODEL_BF16)
 	$(PY) bench/vllm_cost_curve.py --dtype both --batches 1,8 --query 1,4,16 --reps 3 --json var/bench-dtype.json
 	$(PY) -m eagle3_training.acceptance --json var/eagle3-acceptance.json

@@ -71,3 +71,22 @@ def metrics_by_workload(predicted: np.ndarray, label: np.ndarray, workload: np.n
         if sel.any():
             out["by_workload"][name] = gate_metrics(predicted[sel], label[sel])
     return out
+
+
+def auc(score: np.ndarray, positive: np.ndarray) -> float:
+    """The area under the ROC curve: P(a positive scores above a negative), ties counted half
+    (Mann-Whitney on average ranks); nan without both classes."""
+    score = np.asarray(score, dtype=np.float64)
+    positive = np.asarray(positive).astype(bool)
+    n_pos = int(positive.sum())
+    n_neg = len(positive) - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    order = np.argsort(score, kind="stable")
+    sorted_scores = score[order]
+    first = np.flatnonzero(np.r_[True, sorted_scores[1:] != sorted_scores[:-1]])
+    last = np.r_[first[1:], len(score)] - 1
+    ranks = np.empty(len(score), dtype=np.float64)
+    ranks[order] = np.repeat((first + last) / 2.0 + 1.0, last - first + 1)
+    return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+
