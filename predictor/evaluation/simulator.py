@@ -325,25 +325,13 @@ class Simulator:
         """The allocator at every engine step, for the lanes' current rows at once."""
         data, out = self.data, Tally()
         length_of, start, label, draw = data.output_len, self._start, data.label, self.model_acc
-        lane_trace = np.full(batch, -1, dtype=np.int64)
-        lane_t = np.zeros(batch, dtype=np.int64)
-        queued = 0
-        while True:
-            free = np.flatnonzero(lane_trace < 0)
-            take = min(len(free), len(traces) - queued)
-            if take:
-                lane_trace[free[:take]] = traces[queued : queued + take]
-                lane_t[free[:take]] = 0
-                queued += take
-            lanes = np.flatnonzero(lane_trace >= 0)
-            n = len(lanes)
-            if not n:
-                return out
-            trace, t = lane_trace[lanes], lane_t[lanes]
+        engine = Lanes(batch, traces, length_of)
+        while (step := engine.running()) is not None:
+            trace, t = step
+            n = len(trace)
             decode = t > 0
             if not decode.any():  # every lane is on its prefill cycle: a plain step
-                lane_t[lanes] = 1
-                lane_trace[lanes[length_of[trace] <= 1]] = -1
+                engine.advance(np.zeros(n, dtype=np.int64))
                 ms = float(cost.step_ms(n, n))
                 out.tokens += n
                 out.cycles += 1
@@ -361,8 +349,7 @@ class Simulator:
             accepted = np.where(a.source == CACHE, np.minimum(label[rows], a.length),
                                 np.where(a.source == MODEL, np.minimum(draw[rows], a.length), 0))
             accepted = np.where(decode, np.minimum(accepted, left), 0)
-            lane_t[lanes] = t + accepted + 1
-            lane_trace[lanes[lane_t[lanes] >= length_of[trace]]] = -1
+            engine.advance(accepted)
             tokens = int(np.where(decode, np.minimum(accepted + 1, left), 1).sum())
             ms = float(cost.step_ms(n, n + int(a.length.sum()), a.model_k))
             out.tokens += tokens
@@ -374,7 +361,7 @@ class Simulator:
             if not decode.all():
                 out.first_tokens += tokens
                 out.first_ms += ms
-
+        return out
 
     def _rival_run(self, policy: str, cost: CostProfile, batch: int, traces: np.ndarray,
                    decide: CostProfile) -> tuple[Tally, dict[int, Tally]]:
@@ -395,21 +382,10 @@ class Simulator:
         out = Tally()
         width = batch if batch > 1 else RIVAL_LANES_B1
         length_of, start, label, draw = data.output_len, self._start, data.label, self.model_acc
-        lane_trace = np.full(width, -1, dtype=np.int64)
-        lane_t = np.zeros(width, dtype=np.int64)
-        queued = 0
-        while True:
-            free = np.flatnonzero(lane_trace < 0)
-            take = min(len(free), len(traces) - queued)
-            if take:
-                lane_trace[free[:take]] = traces[queued : queued + take]
-                lane_t[free[:take]] = 0
-                queued += take
-            lanes = np.flatnonzero(lane_trace >= 0)
-            n = len(lanes)
-            if not n:
-                break
-            trace, t = lane_trace[lanes], lane_t[lanes]
+        engine = Lanes(width, traces, length_of)
+        while (step := engine.running()) is not None:
+            trace, t = step
+            n = len(trace)
             decode = t > 0
             if decode.any():
                 rows = np.where(decode, start[trace] + t - 1, 0)
@@ -428,8 +404,7 @@ class Simulator:
                 verified_acc = np.zeros(n, np.int64)
             left = length_of[trace] - t
             accepted = np.where(decode, np.minimum(verified_acc, left), 0)
-            lane_t[lanes] = t + accepted + 1
-            lane_trace[lanes[lane_t[lanes] >= length_of[trace]]] = -1
+            engine.advance(accepted)
             emitted = np.where(decode, np.minimum(accepted + 1, left), 1)
             is_cache, is_model = source == CACHE, source == MODEL
             if batch == 1:
@@ -459,6 +434,36 @@ class Simulator:
                 out.add(per[t])
         self._rival_runs[key] = (out, per)
         return out, per
+
+
+class Lanes:
+    """`width` engine lanes in lockstep, taking traces in arrival order: each step, the running
+    lanes' traces and their positions (0: the prefill cycle); then how many tokens each accepted."""
+
+    def __init__(self, width: int, traces: np.ndarray, output_len: np.ndarray) -> None:
+        self.trace = np.full(width, -1, dtype=np.int64)
+        self.t = np.zeros(width, dtype=np.int64)
+        self._traces, self._output_len, self._queued = traces, output_len, 0
+        self._lanes = np.zeros(0, dtype=np.int64)
+
+    def running(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Free lanes take the next traces; (trace, position) per running lane, None when all are done."""
+        free = np.flatnonzero(self.trace < 0)
+        take = min(len(free), len(self._traces) - self._queued)
+        if take:
+            self.trace[free[:take]] = self._traces[self._queued : self._queued + take]
+            self.t[free[:take]] = 0
+            self._queued += take
+        self._lanes = np.flatnonzero(self.trace >= 0)
+        if not len(self._lanes):
+            return None
+        return self.trace[self._lanes], self.t[self._lanes]
+
+    def advance(self, accepted: np.ndarray) -> None:
+        """The running lanes emitted accepted + 1 tokens each; a finished trace frees its lane."""
+        lanes = self._lanes
+        self.t[lanes] += accepted + 1
+        self.trace[lanes[self.t[lanes] >= self._output_len[self.trace[lanes]]]] = -1
 
 
 def trace_starts(data: SimInput) -> np.ndarray:
