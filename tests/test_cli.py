@@ -248,6 +248,8 @@ def test_eval_left_out_evaluates_each_sources_stream_under_a_gate_that_never_saw
               "--json", str(out), cwd=tmp)
     assert run.returncode == 0, run.stderr
     report = json.loads(out.read_text())["left_out"]["fastchat-chat"]
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(report, json.loads((ROOT / "docs" / "reference" / "eval-report.schema.json").read_text()))
     assert report["split"].startswith("left-out source fastchat-chat: its scenario stream")
     assert report["data"]["traces"] == 8  # the subset's fastchat sessions, nothing of the others
     assert set(report["predictor"]["by_workload"]) == {"chat"}

@@ -7,7 +7,7 @@ from the same cache) on the same stream, every policy and competitor's rule in e
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -22,9 +22,11 @@ from predictor.replay.dataset import Dataset
 
 def left_out_report(data: Dataset, source: str, train: TrainConfig, gates: Path | None, drafters: Sequence[DrafterProfile],
                     cost: CostProfile, settings: Sequence[tuple[CostProfile, int]] | None,
-                    decide: CostProfile | None, seed: int, max_tokens: int | None) -> dict:
-    """`evaluate`'s report for `source`'s scenario stream under the warm start trained without it."""
-    gate = train_without(data, source, train, gates, log=lambda line: print(line, flush=True))
+                    decide: CostProfile | None, seed: int, max_tokens: int | None,
+                    log: Callable[[str], None] = print) -> dict:
+    """`evaluate`'s report for `source`'s scenario stream under the warm start trained without it
+    (trained now, and cached in `gates`, unless the scenario already did)."""
+    gate = train_without(data, source, train, gates, log)
     stream = {id(r) for r in stream_of(data, source, max_tokens)}
     mask = np.array([id(r) in stream for r in data.records])
     tokens = int(data.replay.output_len[mask].sum())
