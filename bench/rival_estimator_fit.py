@@ -27,15 +27,11 @@ from predictor.replay.dataset import build_dataset  # noqa: E402
 
 def fit(q: np.ndarray, length: np.ndarray, label: np.ndarray, order: np.ndarray, batch: int,
         max_step: float) -> vllm_adaptive.AcceptanceLogistic:
-    saved, vllm_adaptive.MAX_STEP = vllm_adaptive.MAX_STEP, max_step
-    try:
-        est = vllm_adaptive.AcceptanceLogistic()
-        for i in range(0, len(order), batch):
-            rows = order[i : i + batch]
-            est.learn(q[rows], length[rows], label[rows], steps=len(rows))  # one-request engines, as at batch 1
-        return est
-    finally:
-        vllm_adaptive.MAX_STEP = saved
+    est = vllm_adaptive.AcceptanceLogistic(max_step=max_step)
+    for i in range(0, len(order), batch):
+        rows = order[i : i + batch]
+        est.learn(q[rows], length[rows], label[rows], steps=len(rows))  # one-request engines, as at batch 1
+    return est
 
 
 def main() -> None:

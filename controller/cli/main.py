@@ -383,6 +383,7 @@ def _eval_left_out(args: argparse.Namespace, drafters, cost, settings, decide) -
     stream `hvd scenario unseen` serves it, from the gate that scenario trains (the same cache)."""
     from controller.scenarios.defaults import MAX_TOKENS
     from controller.scenarios.left_out_eval import format_left_out, left_out_report
+    from controller.scenarios.unseen import sources
     from predictor.evaluation.report import format_table
     from predictor.gate.training import TrainConfig
 
@@ -391,7 +392,7 @@ def _eval_left_out(args: argparse.Namespace, drafters, cost, settings, decide) -
         if given:
             raise ValueError(f"--left-out evaluates each source's own warm start on that source's stream: drop {flag}")
     data = _dataset(args)
-    known = sorted({r.source for r in data.records})
+    known = sources(data.records)
     unknown = [s for s in args.left_out if s not in known]
     if unknown:
         raise ValueError(f"--left-out: unknown source {unknown[0]!r}; bundled sources: {', '.join(known)}")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from controller.scenarios.unseen import stream_of, train_without
+from controller.scenarios.unseen import stream_mask, train_without
 from predictor.decision.profiles import CostProfile, DrafterProfile
 from predictor.evaluation.report import evaluate
 from predictor.evaluation.simulator import RIVALS
@@ -27,8 +27,7 @@ def left_out_report(data: Dataset, source: str, train: TrainConfig, gates: Path 
     """`evaluate`'s report for `source`'s scenario stream under the warm start trained without it
     (trained now, and cached in `gates`, unless the scenario already did)."""
     gate = train_without(data, source, train, gates, log)
-    stream = {id(r) for r in stream_of(data, source, max_tokens)}
-    mask = np.array([id(r) in stream for r in data.records])
+    mask = stream_mask(data, source, max_tokens)
     tokens = int(data.replay.output_len[mask].sum())
     return evaluate(data, gate, drafters, cost, seed=seed, settings=settings, decide=decide,
                     traces=(f"left-out source {source}: its scenario stream ({tokens} tokens), warm start without it", mask))

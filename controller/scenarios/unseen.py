@@ -112,11 +112,22 @@ def sources(records: Sequence[TraceRecord]) -> list[str]:
     return sorted({r.source for r in records})
 
 
+def stream_indices(data: Dataset, source: str, max_tokens: int | None = MAX_TOKENS) -> list[int]:
+    """S's record indices in the bundle's order (session, turn): its traffic as it arrived; whole
+    sessions until `max_tokens` output tokens when set."""
+    return [i for i in source_heads(data.records, data.replay.output_len, max_tokens) if data.records[i].source == source]
+
+
 def stream_of(data: Dataset, source: str, max_tokens: int | None = MAX_TOKENS) -> list[TraceRecord]:
-    """S's records in the bundle's order (session, turn): its traffic as it arrived; whole sessions
-    until `max_tokens` output tokens when set."""
-    return [data.records[i] for i in source_heads(data.records, data.replay.output_len, max_tokens)
-            if data.records[i].source == source]
+    """S's records, as `stream_indices` orders them."""
+    return [data.records[i] for i in stream_indices(data, source, max_tokens)]
+
+
+def stream_mask(data: Dataset, source: str, max_tokens: int | None = MAX_TOKENS) -> np.ndarray:
+    """Per record of `data`, whether it is in S's stream."""
+    mask = np.zeros(len(data.records), dtype=bool)
+    mask[stream_indices(data, source, max_tokens)] = True
+    return mask
 
 
 def calibration_gap(predicted: np.ndarray, label: np.ndarray) -> float:
@@ -149,8 +160,7 @@ def training_rows(data: Dataset, source: str, seed: int, max_drafts: int = TRAIN
         return rows
     mine = (rp.draft_len > 0) & (row_source == source)
     if informed == "elsewhere":
-        served = {id(r) for r in stream_of(data, source, max_tokens)}
-        mine &= ~np.array([id(r) in served for r in data.records])[rp.trace]
+        mine &= ~stream_mask(data, source, max_tokens)[rp.trace]
     own = np.flatnonzero(mine)
     if not len(own):
         return rows

@@ -69,8 +69,9 @@ class AcceptanceLogistic:
     """The per-position logistic: `confidence` per draft slot, `learn` from verified drafts, a
     refit every REFIT_INTERVAL engine steps."""
 
-    def __init__(self, positions: int = POSITIONS) -> None:
+    def __init__(self, positions: int = POSITIONS, max_step: float = MAX_STEP) -> None:
         self.positions = positions
+        self.max_step = max_step  # inf: vLLM's unbounded step (bench/rival_estimator_fit.py compares)
         self.slope = INIT_SLOPE
         self.intercepts = np.full(positions, INIT_BIAS, dtype=np.float64)
         self.refits = 0
@@ -126,7 +127,7 @@ class AcceptanceLogistic:
         step_b = (self._g1 - self._b * step_w) / c
         step_b *= self._n / (self._n + DAMPING_OBSERVATIONS)
         step_b = np.where(np.isfinite(step_b), step_b, 0.0)
-        scale = min(1.0, MAX_STEP / max(abs(float(step_w)), float(np.abs(step_b).max(initial=0.0)), 1e-300))
+        scale = min(1.0, self.max_step / max(abs(float(step_w)), float(np.abs(step_b).max(initial=0.0)), 1e-300))
         self.slope += float(step_w) * scale  # the whole step shortened alike: its direction is Newton's
         self.intercepts += step_b * scale
         self.refits += 1
