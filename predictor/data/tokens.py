@@ -56,6 +56,13 @@ class TraceTokenizer:
     def encode_output(self, text: str) -> np.ndarray:
         return self._encode(text)
 
+    def output_tokens(self, record: TraceRecord) -> np.ndarray:
+        """A record's output as token ids: the engine's own where it was recorded with them (its
+        signals are per token of those), else the output text encoded."""
+        if record.engine is not None:
+            return np.asarray(record.engine.output_ids, dtype=np.int32)
+        return self._encode(record.output)
+
     def decode(self, ids) -> str:
         """Token ids back to text, special tokens kept (a recorded prompt keeps its ChatML markup,
         so encoding it again gives the same ids wherever the tokenizer round-trips)."""

@@ -14,23 +14,33 @@ Record schema (one JSON object per line; `.jsonl`, `.jsonl.gz` or `.jsonl.xz`)::
     workload  (required) one of WORKLOADS
     context   (required) a prompt string, or a list of {"role", "content"} messages
     output    (required) non-empty text the model produced
-    trace_id, session_id, turn, source, model, run   (optional, see parse_record)
+    trace_id, session_id, turn, source, model, run, tenant   (optional, see parse_record)
+    engine    (optional) what the serving engine knew per output token, as the recorder writes it
+              (HVD_RECORD): {"output_ids": [...], "top1_prob": [...], "logit_gap": [...],
+              "entropy": [...]}, the token ids the engine emitted (replay uses them rather than
+              tokenizing `output` again) and one value or null per token for each signal
+              (predictor.drafting.engine_signals)
 """
 from __future__ import annotations
 
 import gzip
 import json
 import lzma
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Sequence
 
+import numpy as np
+
+from predictor.drafting.engine_signals import SIGNAL_NAMES, missing
 from storage.workloads import WORKLOADS
 
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 SUFFIXES: tuple[str, ...] = (".jsonl", ".jsonl.gz", ".jsonl.xz")
 FIELDS: tuple[str, ...] = ("trace_id", "session_id", "turn", "source", "workload", "model", "run", "context", "output",
-                           "tenant")
+                           "tenant", "engine")
+MAX_TOKEN_ID = 2**31 - 1
 # The bundled traces' longest line is 0.3 MiB; a record several times that is a log gone wrong more
 # often than a real prompt, and replaying it is super-linear in its length (20 MB: > 240 s, 4.4 GB).
 DEFAULT_MAX_RECORD_BYTES = 1 << 20
@@ -41,6 +51,18 @@ _SKIP_CHUNK = 1 << 16  # how much of an over-long line is held at once while ski
 class Message:
     role: str
     content: str
+
+
+@dataclass(frozen=True)
+class EngineRecord:
+    """The engine's own view of an output: its token ids and, per token, each signal (None: unknown)."""
+
+    output_ids: tuple[int, ...]
+    signals: tuple[tuple[float | None, ...], ...]  # one tuple per name of SIGNAL_NAMES, each as long as output_ids
+
+    def signal_array(self) -> np.ndarray:
+        """float32, tokens x NUM_SIGNALS, NaN where unknown."""
+        return np.array(self.signals, dtype=np.float64).T.astype(np.float32) if self.output_ids else missing(0)
 
 
 @dataclass(frozen=True)
@@ -55,6 +77,7 @@ class TraceRecord:
     context: tuple[Message, ...] | str
     output: str
     tenant: str = "default"  # who was served (recorded traffic says; replay may serve each tenant's overrides)
+    engine: EngineRecord | None = None  # recorded traces: the engine's tokens and signals
 
 
 class TraceFormatError(ValueError):
@@ -203,7 +226,44 @@ def parse_record(
         context=_context(obj, where),
         output=_text(obj, "output", where, None),
         tenant=_text(obj, "tenant", where, "default"),
+        engine=_engine(obj, where),
     )
+
+
+_SIGNAL_RANGES = {"top1_prob": (0.0, 1.0), "logit_gap": (-math.inf, math.inf), "entropy": (0.0, math.inf)}
+
+
+def _engine(obj: dict[str, Any], where: str) -> EngineRecord | None:
+    """The optional `engine` object: token ids and one finite value (or null) per token per signal."""
+    if "engine" not in obj:
+        return None
+    value = obj["engine"]
+    if not isinstance(value, dict):
+        raise _fail(where, "engine", f"must be an object, got {type(value).__name__}")
+    expected = ("output_ids", *SIGNAL_NAMES)
+    wrong = sorted(set(value) ^ set(expected))
+    if wrong:
+        raise _fail(where, "engine", f"has keys {sorted(value)}; expected exactly {list(expected)} ({wrong[0]!r})")
+    ids = value["output_ids"]
+    if not isinstance(ids, list) or not ids:
+        raise _fail(where, "engine.output_ids", "must be a non-empty list of token ids")
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
+            raise _fail(where, f"engine.output_ids[{i}]", f"must be a token id (an integer 0..{MAX_TOKEN_ID}), got {t!r}")
+    columns = []
+    for name in SIGNAL_NAMES:
+        column = value[name]
+        if not isinstance(column, list) or len(column) != len(ids):
+            got = f"{len(column)} values" if isinstance(column, list) else type(column).__name__
+            raise _fail(where, f"engine.{name}", f"must be a list of {len(ids)} values (one per output id), got {got}")
+        lo, hi = _SIGNAL_RANGES[name]
+        for i, v in enumerate(column):
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
+                raise _fail(where, f"engine.{name}[{i}]", f"must be null or a finite number in [{lo}, {hi}], got {v!r}")
+        columns.append(tuple(None if v is None else float(v) for v in column))
+    return EngineRecord(tuple(ids), tuple(columns))
 
 
 # ---------------------------------------------------------------- files

@@ -56,7 +56,12 @@ def check_labels(draft_len: np.ndarray, labels: np.ndarray) -> None:
 def train_gate(features: np.ndarray, labels: np.ndarray, workload: np.ndarray, config: TrainConfig,
                progress: Callable[[int, float], None] | None = None) -> MLP:
     """Fit a gate of ``config.kind`` on rows that carry a cache draft (draft lengths are read from
-    the features' draft_len column); returns the trained torch module (eval mode)."""
+    the features' draft_len column); returns the trained torch module (eval mode).
+
+    A column constant over the rows (the engine's signals, when every trace is text-only; a workload
+    absent from the traces) gets first-layer weights of 0: training never moved them (its
+    standardised value is 0 in every row), and a value served later must not meet random weights.
+    The online learner then learns them from live labels."""
     if len(features) == 0:
         raise ValueError("no training rows with a cache draft: the traces are empty or too short")
     survival = config.kind == "survival"
@@ -93,6 +98,8 @@ def train_gate(features: np.ndarray, labels: np.ndarray, workload: np.ndarray, c
             total += loss.item() * len(idx)
         if progress is not None:
             progress(epoch + 1, total / len(x))
+    with torch.no_grad():  # a column constant in training (standardised to 0 there) is ignored until learned
+        model.net[0].weight[:, std <= 1e-6] = 0.0
     model.eval()
     return model
 

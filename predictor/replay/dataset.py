@@ -50,7 +50,7 @@ def build_dataset(paths: Sequence[str | Path] | None = None, skip_bad: bool = Fa
     log(f"loaded {len(records)} records from {', '.join(map(str, paths))}")
     tokenizer = TraceTokenizer()
     if max_tokens_per_source is not None:
-        lengths = [len(tokenizer.encode_output(r.output)) for r in records]
+        lengths = [len(tokenizer.output_tokens(r)) for r in records]
         records = [records[i] for i in source_heads(records, lengths, max_tokens_per_source)]
         log(f"kept {len(records)} records: each source's first whole sessions up to {max_tokens_per_source} "
             "output tokens")

@@ -102,7 +102,8 @@ class _TraceRows:
 
 def _replay_one(drafter: CacheDrafter, record: TraceRecord, trace: int, tokenizer: TraceTokenizer) -> _TraceRows:
     prompt = tokenizer.encode_context(record)
-    out = tokenizer.encode_output(record.output)
+    out = tokenizer.output_tokens(record)
+    signals = None if record.engine is None else record.engine.signal_array()
     n = len(out)
     req_id = f"{trace}"
     drafter.start(req_id, prompt)
@@ -112,7 +113,7 @@ def _replay_one(drafter: CacheDrafter, record: TraceRecord, trace: int, tokenize
     for t in range(n):
         token = out[t : t + 1]
         drafter.extend(req_id, token)
-        for d, y in request.append(token):
+        for d, y in request.append(token, None if signals is None else signals[t : t + 1]):
             labels[d.position - 1] = y
         if t + 1 < n:  # a draft after every output token but the last
             draft = drafter.draft(req_id, request.tokens)
