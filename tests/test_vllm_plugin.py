@@ -82,9 +82,11 @@ def _spec_counters(llm: LLM) -> dict[str, object]:
 
 
 @pytest.fixture(scope="module")
-def hybrid_run(prompts, plain_outputs, database):
+def hybrid_run(prompts, plain_outputs, database, tmp_path_factory):
     os.environ[vllm_plugin.ENV_ENABLE] = "1"
     os.environ["HVD_DATABASE_URL"] = database
+    recorded = tmp_path_factory.mktemp("record") / "served.jsonl"
+    os.environ["HVD_RECORD"] = str(recorded)
     vllm_plugin.register()  # vLLM registered its plugins for the plain engine, while HVD_HYBRID was unset
     llm = LLM(**ve.engine_kwargs(ve.MODEL_FP32, "float32"), speculative_config=ve.speculative_config("hvd"))
     try:
@@ -94,9 +96,10 @@ def hybrid_run(prompts, plain_outputs, database):
         after = _spec_counters(llm)
         vllm_plugin.flush()
         runtime = vllm_plugin.runtimes()[-1]
-        yield {"outputs": outputs, "before": before, "after": after, "runtime": runtime}
+        yield {"outputs": outputs, "before": before, "after": after, "runtime": runtime, "recorded": recorded}
     finally:
         os.environ.pop(vllm_plugin.ENV_ENABLE, None)
+        os.environ.pop("HVD_RECORD", None)
         del llm
         gc.collect()
 
@@ -175,3 +178,40 @@ def test_events_carry_request_metadata(hybrid_run, database, prompts):
     cache = [e for e in events if e.drafter == "cache"]
     assert cache and all(e.predicted is not None and e.features is not None for e in cache)
     assert all(e.predictor_version_id == 1 for e in events)
+
+
+def test_recorded_signals_are_the_targets_own_distribution(hybrid_run, prompts):
+    """HVD_RECORD keeps, per emitted token, the signals read from the step's logits (cache and
+    EAGLE3 drafts of mixed lengths in one batch: the rows of each request's verified positions). A
+    teacher-forced fp32 forward of the same model over prompt + output gives the same distributions."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from predictor.data.traces import load_traces
+
+    records, report = load_traces([hybrid_run["recorded"]])
+    # a finish is heard at the engine's next step: the batch-1 run's requests all are, by the batch-8 run
+    assert report.skipped == 0 and len(records) >= len(prompts)
+    prompt_of = {tuple(out): ids for (_, ids), out in zip(prompts, hybrid_run["outputs"][8])}
+    model = AutoModelForCausalLM.from_pretrained(ve.MODEL_FP32, torch_dtype=torch.float32).eval()
+    checked = 0
+    for r in records:
+        out = list(r.engine.output_ids)
+        assert out in hybrid_run["outputs"][8] and out in hybrid_run["outputs"][1]
+        if checked >= 3:
+            continue
+        ids = prompt_of[tuple(out)] + out
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, len(ids) - len(out) - 1 : -1].double()
+        p = torch.softmax(logits, -1)
+        top2 = torch.topk(logits, 2, -1).values
+        want = np.column_stack([p.max(-1).values.numpy(), (top2[:, 0] - top2[:, 1]).numpy(),
+                                (-(p * torch.log(p.clamp_min(1e-300))).sum(-1)).numpy()])
+        got = r.engine.signal_array()
+        assert not np.isnan(got).any()
+        np.testing.assert_allclose(got[:, 0], want[:, 0], atol=2e-3)
+        np.testing.assert_allclose(got[:, 1], want[:, 1], atol=2e-2)
+        np.testing.assert_allclose(got[:, 2], want[:, 2], atol=2e-2)
+        checked += 1
+    assert checked == 3

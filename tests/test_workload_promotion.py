@@ -207,8 +207,13 @@ def test_the_service_promotes_per_workload_calibrates_and_replicas_follow(pessim
         assert all(g > config.counterfactual.margin for _, _, o, g, *_ in told if o == "won")
         assert all(g >= 0.0 for _, _, o, g, *_ in told if o in ("promoted", "kept"))
         assert all(g < 0.0 for _, _, o, g, *_ in told if o in ("refused", "rolled back"))
-        last = max(i for i, o in enumerate(outcomes) if o == "promoted")
-        assert told[last][5].endswith(f"promoted as v{version}") and "rolled back" not in outcomes[last:]
+        standing = []  # the promotions in force: a rollback returns to the version its promotion replaced
+        for c in told:
+            if c[2] == "promoted":
+                standing.append(int(c[5].rsplit("promoted as v", 1)[1]))
+            elif c[2] == "rolled back":
+                standing.pop()
+        assert standing and standing[-1] == version, [f"{c[2]} v{c[4]}" for c in told]
     with session_scope(engine) as s:
         rooms = [(r.workload, r.challenger_gain, r.predictor_version_id, r.headroom, r.drafts)
                  for r in reversed(readback.learning_room(s))]

@@ -45,9 +45,14 @@ def existing(out: Path) -> list[dict]:
 
 
 def write(out: Path, lines: list[dict]) -> None:
+    """Atomically, sessions in the order they first came and each session's turns in order (what
+    the trace loader requires of a file: the split's order interleaves sessions' turns)."""
+    first: dict[str, int] = {}
+    for line in lines:
+        first.setdefault(line["session_id"], len(first))
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     with lzma.open(tmp, "wt", encoding="utf-8", preset=9 | lzma.PRESET_EXTREME) as fh:
-        for line in lines:
+        for line in sorted(lines, key=lambda line: (first[line["session_id"]], line["turn"])):
             fh.write(json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n")
     tmp.replace(out)
 
@@ -73,6 +78,11 @@ def main() -> None:
     for line in lines:
         per_workload[line["workload"]] += len(line["engine"]["output_ids"])
     budget = args.tokens / len(DRAFTER_WORKLOADS)
+    queue = [r for r in chosen if r.trace_id not in done]
+    if all(per_workload[w] >= budget for w in DRAFTER_WORKLOADS) or not queue:
+        write(args.out, lines)
+        print(f"done: {args.out}, {len(lines)} answers, {sum(per_workload.values())} tokens (nothing left to record)")
+        return
 
     record_file = Path(tempfile.mkdtemp(prefix="hvd-record-")) / "served.jsonl"
     os.environ.update(HVD_HYBRID="1", HVD_RECORD=str(record_file), HVD_DATABASE_URL=args.db,
@@ -87,7 +97,6 @@ def main() -> None:
     vllm_plugin.register()
     llm = LLM(**ve.engine_kwargs(ve.MODEL_FP32, "float32", max_num_seqs=args.batch),
               speculative_config=ve.speculative_config("suffix"))
-    queue = [r for r in chosen if r.trace_id not in done]
     start, recorded = time.perf_counter(), 0
     while queue:
         open_ = {w for w in DRAFTER_WORKLOADS if per_workload[w] < budget}

@@ -206,8 +206,11 @@ def _parser() -> _Parser:
                                     "learning on, learning off and with the binary oracle gate; one table over every "
                                     "source (or --source). shift: warm start without one workload, then serve held-out "
                                     "sessions in which that workload starts arriving, online (learning) and against a "
-                                    "predictor trained offline on all workloads. Both print and write their report.")
-    sc.add_argument("name", choices=["unseen", "shift"])
+                                    "predictor trained offline on all workloads. signals: warm start on the bundled and "
+                                    "recorded on-policy traces with and without the engine's signals (and without each "
+                                    "one), judged on the recorded held-out sessions against a perfect predictor. Each "
+                                    "prints and writes its report.")
+    sc.add_argument("name", choices=["unseen", "shift", "signals"])
     sc.add_argument("--source", action="append", help="unseen: a source to leave out (repeatable; default every one)")
     sc.add_argument("--max-tokens", type=int, default=scenario_defaults.MAX_TOKENS,
                     help="unseen: each source's stream, whole sessions up to this many tokens "
@@ -228,6 +231,10 @@ def _parser() -> _Parser:
     sc.add_argument("--window-tokens", type=int, default=None,
                     help=f"report window in tokens (default: unseen {scenario_defaults.UNSEEN_WINDOW_TOKENS}, "
                          f"shift {scenario_defaults.SHIFT_WINDOW_TOKENS})")
+    sc.add_argument("--cost-profile", default=None,
+                    help="signals: the replay engine's cost profile (default: the serving default; repeatable "
+                         "settings are separate runs)")
+    sc.add_argument("--batch-size", type=int, default=8, help="signals: requests per replay step (default 8)")
     sc.add_argument("--json", type=Path, default=None, help="report file (default var/<scenario>.json)")
     sc.add_argument("--seed", type=int, default=0)
 
@@ -609,6 +616,8 @@ def _scenario(args: argparse.Namespace, engine) -> int:
     path = args.json or Path(f"var/{args.name}.json")
     if args.name == "unseen":
         return _scenario_unseen(args, path)
+    if args.name == "signals":
+        return _scenario_signals(args, path)
     window = WINDOW_TOKENS if args.window_tokens is None else args.window_tokens
     if args.others < 0 or window < 1:
         raise ValueError("--others must be >= 0 and --window-tokens >= 1")
@@ -652,6 +661,35 @@ def _scenario_unseen(args: argparse.Namespace, path: Path) -> int:
     path.write_text(json.dumps({"window_tokens": window, "max_tokens": args.max_tokens, "seed": args.seed,
                                 "repeats": repeats,
                                 "sources": reports}, indent=1))
+    print(f"report written to {path}")
+    return 0
+
+
+def _scenario_signals(args: argparse.Namespace, path: Path) -> int:
+    import json
+
+    from controller.scenarios.signals import format_report, run_signals
+    from predictor.data.tokens import TraceTokenizer
+    from predictor.data.traces import bundled_traces_path, load_traces, onpolicy_traces_path
+    from predictor.online.learner import LearnerConfig
+    from predictor.replay.dataset import build_dataset
+    from predictor.replay.trace_replay_cache import cached_replay
+
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.cost_profile:
+        from predictor.decision.profiles import cost_profiles, pick
+
+        pick(cost_profiles(), [args.cost_profile], "cost")  # an unknown name is refused, naming the known ones
+    data = build_dataset([bundled_traces_path(), onpolicy_traces_path("train")], seed=args.seed)
+    held, _ = load_traces([onpolicy_traces_path("held-out")])
+    held_replay = cached_replay(held, TraceTokenizer())
+    opts = ReplayServeOptions(seed=args.seed, batch_size=args.batch_size, learner=LearnerConfig(seed=args.seed),
+                              **({"cost_profile": args.cost_profile} if args.cost_profile else {}))
+    report = run_signals(data, held, held_replay, path.parent / "scenario-signals", opts)
+    print(format_report(report))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
     print(f"report written to {path}")
     return 0
 

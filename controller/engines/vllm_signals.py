@@ -24,18 +24,22 @@ from predictor.drafting.engine_signals import NUM_SIGNALS
 
 def row_signals(logits: torch.Tensor, tokens: torch.Tensor) -> np.ndarray:
     """Signals of rows `logits` (m x vocab, a copy this may write to) for the tokens emitted from
-    them (m): float32, m x NUM_SIGNALS."""
+    them (m): float32, m x NUM_SIGNALS. One pass of exp over the rows: with y = logit - max logit,
+    e = exp(y), s = sum(e): p(token) = exp(y_token) / s and entropy = log s - (e . y) / s."""
     if logits.shape[0] == 0:
         return np.zeros((0, NUM_SIGNALS), dtype=np.float32)
     x = logits.float()
     r = torch.arange(x.shape[0])
-    chosen = x[r, tokens]
+    chosen = x[r, tokens].clone()
     x[r, tokens] = float("-inf")
     other = x.amax(-1)
     x[r, tokens] = chosen
-    lse = torch.logsumexp(x, -1)
-    entropy = lse - (torch.softmax(x, -1) * x).nan_to_num_(0.0).sum(-1)  # -inf logits: 0 * -inf terms are 0
-    return torch.stack([torch.exp(chosen - lse), chosen - other, entropy.clamp_(min=0.0)], 1).numpy()
+    top = torch.maximum(chosen, other)
+    x.sub_(top[:, None]).clamp_(min=-1e4)  # masked (-inf) logits: exp 0, and 0 * -1e4 adds nothing
+    e = torch.exp(x)
+    s = e.sum(-1)
+    entropy = torch.log(s) - torch.bmm(e.unsqueeze(1), x.unsqueeze(2)).view(-1) / s
+    return torch.stack([torch.exp(chosen - top) / s, chosen - other, entropy.clamp_(min=0.0)], 1).numpy()
 
 
 def step_signals(logits: torch.Tensor, sampled: torch.Tensor, num_draft_tokens: list[int] | None,

@@ -102,6 +102,17 @@ def bundled_traces_path() -> Path:
     return Path(__file__).resolve().parents[2] / "data" / "traces.jsonl.xz"
 
 
+ONPOLICY_SPLITS = ("train", "held-out")
+
+
+def onpolicy_traces_path(split: str) -> Path:
+    """The recorded on-policy corpus (SmolLM2's own answers with the engine's signals,
+    tools/record_onpolicy.py): the training prompts' ("train") or the held-out ones' ("held-out")."""
+    if split not in ONPOLICY_SPLITS:
+        raise ValueError(f"on-policy split must be one of {ONPOLICY_SPLITS}, got {split!r}")
+    return bundled_traces_path().parent / f"onpolicy-{split}.jsonl.xz"
+
+
 # ---------------------------------------------------------------- one record
 
 
