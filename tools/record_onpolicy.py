@@ -35,6 +35,7 @@ from predictor.data.traces import bundled_traces_path, load_traces  # noqa: E402
 
 SOURCE = "smollm2-onpolicy"
 MODEL = "SmolLM2-135M-Instruct"
+PREFIX = "smollm2:"  # trace and session ids: the prompt's own, named apart from the bundled traces
 
 
 def existing(out: Path) -> list[dict]:
@@ -78,7 +79,7 @@ def main() -> None:
     for line in lines:
         per_workload[line["workload"]] += len(line["engine"]["output_ids"])
     budget = args.tokens / len(DRAFTER_WORKLOADS)
-    queue = [r for r in chosen if r.trace_id not in done]
+    queue = [r for r in chosen if PREFIX + r.trace_id not in done]
     if all(per_workload[w] >= budget for w in DRAFTER_WORKLOADS) or not queue:
         write(args.out, lines)
         print(f"done: {args.out}, {len(lines)} answers, {sum(per_workload.values())} tokens (nothing left to record)")
@@ -130,10 +131,10 @@ def main() -> None:
                                  f"({len(got)} lines, tenants {sorted(by_tag)[:5]}, keys {sorted(got[0]) if got else []})")
             if g["engine"]["output_ids"] != answers[tag]:
                 raise SystemExit(f"prompt {r.trace_id}: recorded tokens differ from what vLLM returned")
-            g.update(trace_id=r.trace_id, session_id=r.session_id, turn=r.turn, source=SOURCE, model=MODEL,
+            g.update(trace_id=PREFIX + r.trace_id, session_id=PREFIX + r.session_id, turn=r.turn, source=SOURCE, model=MODEL,
                      run=f"fp32-{args.split}", tenant="default")
             lines.append(g)
-            done.add(r.trace_id)
+            done.add(PREFIX + r.trace_id)
             per_workload[r.workload] += len(answers[tag])
             recorded += len(answers[tag])
         write(args.out, lines)
