@@ -3,8 +3,9 @@
 The warm start learns from the bundled traces and the recorded on-policy corpus
 (data/onpolicy-train.jsonl.xz: SmolLM2's answers with the engine's signals), once per variant of
 the signal columns: all of them ("signals"), none ("text-only": the columns zeroed, as if every
-trace were text-only, so the gate ignores them), and each signal dropped in turn ("without-<name>",
-which measures what that one buys). Every variant learns from the same seeded sample of drafts
+trace were text-only, so the gate ignores them), the missing indicator alone ("indicator-only": it
+tells recorded SmolLM2 traffic from the other models' traces, and nothing else), and each signal
+dropped in turn ("without-<name>", which measures what that one buys). Every variant learns from the same seeded sample of drafts
 with the same training config. Each is then judged on the held-out recorded sessions
 (data/onpolicy-held-out.jsonl.xz, never trained on):
 
@@ -36,10 +37,10 @@ from predictor.gate.training import TrainConfig, train_gate
 from predictor.replay.dataset import Dataset
 from predictor.replay.trace_replay import ReplayResult
 
-SIGNALS, TEXT_ONLY = "signals", "text-only"
+SIGNALS, TEXT_ONLY, INDICATOR_ONLY = "signals", "text-only", "indicator-only"
 COLUMN_OF = {name: FEATURE_NAMES.index(f"target_{name}") for name in SIGNAL_NAMES}
 HAS_COLUMN = FEATURE_NAMES.index("has_target_signals")
-VARIANTS = (SIGNALS, TEXT_ONLY, *(f"without-{name}" for name in SIGNAL_NAMES))
+VARIANTS = (SIGNALS, TEXT_ONLY, INDICATOR_ONLY, *(f"without-{name}" for name in SIGNAL_NAMES))
 SERVED_LEARNING = (SIGNALS, TEXT_ONLY)  # also served learning on
 
 
@@ -49,6 +50,8 @@ def dropped_columns(variant: str) -> list[int]:
         return []
     if variant == TEXT_ONLY:
         return [*COLUMN_OF.values(), HAS_COLUMN]
+    if variant == INDICATOR_ONLY:
+        return list(COLUMN_OF.values())
     name = variant.removeprefix("without-")
     if name not in COLUMN_OF:
         raise ValueError(f"unknown variant {variant!r}; known: {VARIANTS}")
@@ -113,6 +116,8 @@ def run_signals(data: Dataset, held: Sequence[TraceRecord], held_replay: ReplayR
     report: dict = {"cost_profile": opts.cost_profile, "batch_size": opts.batch_size, "seed": opts.seed,
                     "held_out_tokens": int(held_replay.output_len.sum()), "variants": {}}
     static = replace(opts, learn=False)
+    for v in (*gates, "perfect"):
+        (folder / v).mkdir(exist_ok=True)
     for v, gate in gates.items():
         figures = quality(gate, held_replay)
         figures["static_ms_per_1k"] = serve_mode("static", gate, held, folder / v, static, 10**9, log).ms_per_1k
