@@ -82,8 +82,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "predicted length against tau, whole drafts; arctic: ArcticInference's score rule (the baseline); "
             "vllm-adaptive, sglang-hybrid, trtllm: those engines' own rules on HVD's drafts and costs"),
     Setting("HVD_ENGINE_SIGNALS", parse_flag, True,
-            "read the target's confidence (top-1 probability, logit gap, entropy) at every emitted token from "
-            "the step's logits, for the gate and the recorder (off: the gate sees them missing)"),
+            "read the target's confidence (top-1 probability, logit gap, entropy) in each request's last emitted "
+            "token from the step's logits, for the gate (every emitted token while recording; off: the gate "
+            "sees them missing)"),
     Setting("HVD_EAGLE_WARM", parse_flag, False, "EAGLE drafts one token even in steps without a model draft"),
     Setting("HVD_DEFAULT_WORKLOAD", one_of("storage.workloads:WORKLOADS"), "chat",
             "workload of requests that name none"),

@@ -191,14 +191,16 @@ def test_recorded_signals_are_the_targets_own_distribution(hybrid_run, prompts):
     from predictor.data.traces import load_traces
 
     records, report = load_traces([hybrid_run["recorded"]])
-    # a finish is heard at the engine's next step: the batch-1 run's requests all are, by the batch-8 run
-    assert report.skipped == 0 and len(records) >= len(prompts)
     prompt_of = {tuple(out): ids for (_, ids), out in zip(prompts, hybrid_run["outputs"][8])}
+    # the module's other tests serve more requests through this engine: these are the fixture's (a finish
+    # is heard at the engine's next step: the batch-1 run's requests all are, by the batch-8 run)
+    records = [r for r in records if r.engine is not None and r.engine.output_ids in prompt_of]
+    assert report.skipped == 0 and len(records) >= len(prompts)
     model = AutoModelForCausalLM.from_pretrained(ve.MODEL_FP32, torch_dtype=torch.float32).eval()
     checked = 0
     for r in records:
         out = list(r.engine.output_ids)
-        assert out in hybrid_run["outputs"][8] and out in hybrid_run["outputs"][1]
+        assert out in hybrid_run["outputs"][1]  # the same answer at batch 1 and 8
         if checked >= 3:
             continue
         ids = prompt_of[tuple(out)] + out
