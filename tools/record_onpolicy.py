@@ -8,11 +8,14 @@ and each token's signals (predictor.drafting.engine_signals), exactly as a servi
 its traffic. Prompts are taken in the split's workload-interleaved order and a workload stops
 taking prompts once it has `--tokens / 5` answer tokens, so the corpus is balanced by workload.
 
-Each recorded line is then renamed to the prompt it answers (trace id, session, source
-`smollm2-onpolicy`, run = the split) and checked against what vLLM returned (the same token ids),
-and the corpus is written compressed. Resumable: prompts already in `--out` are skipped.
+Each recorded line is then renamed to the prompt it answers (its trace and session ids prefixed
+`smollm2:`, source `smollm2-onpolicy`, run `fp32-<split>`) and checked against what vLLM returned
+(the same token ids), and the corpus is written compressed, sessions whole and their turns in order.
+Resumable: prompts already in `--out` are skipped. The plugin needs a champion to serve (any: the
+answers are greedy and exact whatever it decides).
 
-    python tools/record_onpolicy.py --split train --tokens 300000 --out data/onpolicy-train.jsonl.xz
+    python tools/record_onpolicy.py --split train --tokens 300000 --chunk 160 --batch 32 \
+        --out data/onpolicy-train.jsonl.xz --db sqlite:///$PWD/var/hvd.db
 """
 from __future__ import annotations
 
@@ -69,6 +72,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--max-prompt-tokens", type=int, default=1024)
     args = ap.parse_args()
+    for name in ("tokens", "batch", "chunk", "max_new_tokens", "max_prompt_tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
 
     records, _ = load_traces([bundled_traces_path()])
     tokenizer = TraceTokenizer()
