@@ -56,10 +56,11 @@ def test_the_text_only_warm_start_ignores_the_signals_and_the_other_reads_them(s
     out, folder, data, held = scenario
     from predictor.gate.mlp import GatePredictor
 
-    gates = {p.name.split("-")[0] if p.name.startswith(("signals", "text")) else p.name: p
-             for p in (folder / "gates").glob("*.hvd")}
-    text_only = GatePredictor.from_bytes(next(p for n, p in gates.items() if n == "text").read_bytes())
-    signals = GatePredictor.from_bytes(next(p for n, p in gates.items() if n == SIGNALS).read_bytes())
+    def gate(variant: str) -> GatePredictor:  # train_variant caches each as <variant>-<key>.hvd
+        (path,) = (folder / "gates").glob(f"{variant}-????????????????.hvd")
+        return GatePredictor.from_bytes(path.read_bytes())
+
+    text_only, signals = gate(TEXT_ONLY), gate(SIGNALS)
     x = held.features[held.draft_len > 0]
     assert x[:, HAS_COLUMN].all()  # the recorded held-out sessions carry the signals at every draft
     blank = x.copy()
