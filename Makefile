@@ -104,7 +104,6 @@ test-fast: setup
 
 # The hybrids in bench/vllm_methods.py read the champion of $(DB): warm start first if there is none.
 # bench/runtime_step.py: the runtime's own time per step at batch 1 and 64, on recorded replay-engine steps.
-# bench/engine_signals_cost.py: reading the engine's signals from a step's logits, per step at batch 1, 8 and 32.
 # bench/rival_estimator_fit.py: vLLM's acceptance logistic (the vllm-adaptive rule) on held-out suffix drafts, with and
 # without the rule's trust region.
 # bench/outage.py: a 60 s PostgreSQL outage (TCP proxy, test server) under the bundled stream.
@@ -122,7 +121,6 @@ bench: setup
 	$(PY) bench/outage.py
 	$(PY) bench/tenants_at_scale.py
 	$(PY) bench/rival_estimator_fit.py
-	$(PY) bench/engine_signals_cost.py
 	$(PY) bench/vllm_cost_curve.py --model $(MODEL_BF16)
 	$(PY) bench/vllm_cost_curve.py --dtype both --batches 1,8 --query 1,4,16 --reps 3 --json var/bench-dtype.json
 	$(PY) -m eagle3_training.acceptance --json var/eagle3-acceptance.json

@@ -81,10 +81,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "allocator: HVD (per-step plan over cache prefixes, model draft length, none); binary: the "
             "predicted length against tau, whole drafts; arctic: ArcticInference's score rule (the baseline); "
             "vllm-adaptive, sglang-hybrid, trtllm: those engines' own rules on HVD's drafts and costs"),
-    Setting("HVD_ENGINE_SIGNALS", parse_flag, True,
-            "read the target's confidence (top-1 probability, logit gap, entropy) in each request's last emitted "
-            "token from the step's logits, for the gate (every emitted token while recording; off: the gate "
-            "sees them missing)"),
+    Setting("HVD_ON_POLICY", parse_flag, True,
+            "the gate's on_policy feature for served requests: their output is the served model's own (off: "
+            "read as text other models wrote, as the bundled traces are; for measuring what the feature buys)"),
     Setting("HVD_EAGLE_WARM", parse_flag, False, "EAGLE drafts one token even in steps without a model draft"),
     Setting("HVD_DEFAULT_WORKLOAD", one_of("storage.workloads:WORKLOADS"), "chat",
             "workload of requests that name none"),
@@ -130,7 +129,7 @@ class ServingSettings:
     backoff: str
     fixed_tau: float | None
     rule: str
-    engine_signals: bool
+    on_policy: bool
     eagle_warm: bool
     default_workload: str
     default_tenant: str

@@ -27,7 +27,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
 # the trace loader nor the tokenizer.
 PREDICTOR_LAYERS: dict[str, tuple[str, ...]] = {
     "__init__": (),
-    "data": ("drafting",),  # the trace format names the engine signals (drafting.engine_signals)
+    "data": (),
     "decision": (),  # pure code: profiles, allocator, binary rule
     "drafting": (),
     "gate": ("drafting",),

@@ -159,8 +159,8 @@ def test_subprocess_env_only_touches_ld_preload_when_asked():
 def test_method_table_has_hvd_binary():
     assert "hvd-binary" in ve.METHODS
     assert ve.method_env("hvd-binary") == {"HVD_HYBRID": "1", "HVD_RULE": "binary", "HVD_MODEL_DRAFT_LEN": "3",
-                                           "HVD_ENGINE_SIGNALS": None}
-    assert ve.method_env("hvd-no-signals")["HVD_ENGINE_SIGNALS"] == "0"  # the hybrid with the gate's signals missing
+                                           "HVD_ON_POLICY": None}
+    assert ve.method_env("hvd-off-policy")["HVD_ON_POLICY"] == "0"  # the hybrid with on_policy off
     assert ve.method_env("hvd")["HVD_RULE"] is None  # the runtime's default rule
     assert ve.speculative_config("hvd-binary") == ve.speculative_config("hvd")
     # the cut bench/eagle_overhead.py measured, for every EAGLE3-based method alike

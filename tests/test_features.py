@@ -12,7 +12,7 @@ from storage.workloads import WORKLOADS
 
 # Computed from the code when these tests were written. If this fails, a feature column changed:
 # bump FEATURE_SCHEMA_VERSION deliberately and update this literal (stored models become unloadable).
-SCHEMA_HASH = "7751301120f971129c34e63e9ca980cfc393f8607328d287740c770008d9c990"
+SCHEMA_HASH = "938ad72d182a863ae18516be34f4969aca0d3ee407ad500fee99bd0fc71a162e"
 
 
 def test_schema_hash_is_pinned():
@@ -20,7 +20,7 @@ def test_schema_hash_is_pinned():
 
 
 def test_schema_names():
-    assert NUM_FEATURES == len(FEATURE_NAMES) == 42
+    assert NUM_FEATURES == len(FEATURE_NAMES) == 39
     assert len(set(FEATURE_NAMES)) == len(FEATURE_NAMES)
     assert FEATURE_NAMES[0] == "match_len"
     assert FEATURE_NAMES[-len(WORKLOADS):] == tuple(f"workload_{w}" for w in WORKLOADS)
@@ -46,7 +46,7 @@ def test_feature_matrix_hand_computed():
                    trees_agree=1),
         continues_prev=3, position=9, context_len=19, nesting=12, at_line_start=True, workload=1,
         prev_agree=0.5, prev_gap=3, has_prev=True, last_label=2.0, mean_label=1.5, n_resolved=4, agree_2=1.0,
-        agree_4=0.0, hit_streak=7, top1_prob=0.75, logit_gap=31.0, entropy=0.5, has_signals=True)
+        agree_4=0.0, hit_streak=7, on_policy=True)
     without = DraftContext(CacheDraft([], [], match_len=5), 0, 2, 12, -1, False, 0, 0.0, 0, False, 0.0, 0.0, 0,
                            0.0, 0.0, 0)
     x = feature_matrix([with_draft, without], CLASSES)
@@ -61,8 +61,7 @@ def test_feature_matrix_hand_computed():
         "mean_label": 1.5, "log_n_resolved": np.log1p(4), "other_tree_score": 0.5, "other_tree_len": 2,
         "trees_agree": 1 / 3, "continues_prev": 1, "agree_2": 1, "agree_4": 0, "log_hit_streak": np.log1p(7),
         "first_token_newline": 1, "first_token_bracket_quote": 0,
-        "target_top1_prob": 0.75, "target_logit_gap": features.MAX_LOGIT_GAP, "target_entropy": 0.5,
-        "has_target_signals": 1,
+        "on_policy": 1,
     } | {f"workload_{w}": float(i == 1) for i, w in enumerate(WORKLOADS)}
     assert got == pytest.approx(expected)
     # no draft: the draft's columns are 0 (a match that found nothing to draft included)

@@ -60,8 +60,7 @@ def contexts(draw):
         draft, draw(st.integers(0, k)), draw(counts), draw(counts), draw(st.integers(-5, 20)), draw(st.booleans()),
         draw(st.integers(0, 4)), draw(st.floats(0, 1)), draw(st.integers(0, 50)), draw(st.booleans()),
         float(draw(st.integers(0, 24))), draw(st.floats(0, 24)), draw(counts), draw(st.floats(0, 1)),
-        draw(st.floats(0, 1)), draw(st.integers(0, 60)), draw(st.floats(0, 1, width=32)),
-        draw(st.floats(-5, 40, width=32)), draw(st.floats(0, 12, width=32)), draw(st.booleans()))
+        draw(st.floats(0, 1)), draw(st.integers(0, 60)), draw(st.booleans()))
 
 
 def _columns(rows) -> np.ndarray:

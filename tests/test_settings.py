@@ -21,7 +21,7 @@ def test_defaults():
     assert s == ServingSettings(
         database_url=None, fallback=None, model_draft_len=3, cost_profile="cpu-smollm2", live_cost=True,
         drafter_profile="eagle3-smollm2", max_running=None, backoff="none", fixed_tau=None, rule="allocator",
-        engine_signals=True, eagle_warm=False, default_workload="chat", default_tenant="default", learn=False, record=None,
+        on_policy=True, eagle_warm=False, default_workload="chat", default_tenant="default", learn=False, record=None,
         record_max_requests=10000,
         metrics_max_tenants=20)
 

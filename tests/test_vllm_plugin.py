@@ -180,40 +180,22 @@ def test_events_carry_request_metadata(hybrid_run, database, prompts):
     assert all(e.predictor_version_id == 1 for e in events)
 
 
-def test_recorded_signals_are_the_targets_own_distribution(hybrid_run, prompts):
-    """HVD_RECORD keeps, per emitted token, the signals read from the step's logits (cache and
-    EAGLE3 drafts of mixed lengths in one batch: the rows of each request's verified positions). A
-    teacher-forced fp32 forward of the same model over prompt + output gives the same distributions."""
+def test_served_requests_are_on_policy_and_recorded_as_emitted(hybrid_run, database, prompts):
+    """Every cache draft the engine scored saw on_policy = 1 (its output is the served model's own),
+    and HVD_RECORD keeps the token ids vLLM returned, which replay reads as on-policy too."""
     import numpy as np
-    import torch
-    from transformers import AutoModelForCausalLM
 
     from predictor.data.traces import load_traces
+    from predictor.drafting.features import FEATURE_NAMES
 
+    with session_scope(make_engine(database)) as session:
+        cache = [e for e in list_events(session) if e.drafter == "cache" and e.features is not None]
+    column = FEATURE_NAMES.index("on_policy")
+    assert cache and all(np.frombuffer(e.features, dtype=np.float32)[column] == 1.0 for e in cache)
     records, report = load_traces([hybrid_run["recorded"]])
-    prompt_of = {tuple(out): ids for (_, ids), out in zip(prompts, hybrid_run["outputs"][8])}
     # the module's other tests serve more requests through this engine: these are the fixture's (a finish
     # is heard at the engine's next step: the batch-1 run's requests all are, by the batch-8 run)
-    records = [r for r in records if r.engine is not None and r.engine.output_ids in prompt_of]
-    assert report.skipped == 0 and len(records) >= len(prompts)
-    model = AutoModelForCausalLM.from_pretrained(ve.MODEL_FP32, torch_dtype=torch.float32).eval()
-    checked = 0
-    for r in records:
-        out = list(r.engine.output_ids)
-        assert out in hybrid_run["outputs"][1]  # the same answer at batch 1 and 8
-        if checked >= 3:
-            continue
-        ids = prompt_of[tuple(out)] + out
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0, len(ids) - len(out) - 1 : -1].double()
-        p = torch.softmax(logits, -1)
-        top2 = torch.topk(logits, 2, -1).values
-        want = np.column_stack([p.max(-1).values.numpy(), (top2[:, 0] - top2[:, 1]).numpy(),
-                                (-(p * torch.log(p.clamp_min(1e-300))).sum(-1)).numpy()])
-        got = r.engine.signal_array()
-        assert not np.isnan(got).any()
-        np.testing.assert_allclose(got[:, 0], want[:, 0], atol=2e-3)
-        np.testing.assert_allclose(got[:, 1], want[:, 1], atol=2e-2)
-        np.testing.assert_allclose(got[:, 2], want[:, 2], atol=2e-2)
-        checked += 1
-    assert checked == 3
+    served = {tuple(out) for out in hybrid_run["outputs"][8]}
+    ours = [r for r in records if r.engine is not None and r.engine.output_ids in served]
+    assert report.skipped == 0 and all(r.engine is not None for r in records)
+    assert len(ours) >= len(prompts) and {r.engine.output_ids for r in ours} == served

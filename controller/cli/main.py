@@ -207,8 +207,9 @@ def _parser() -> _Parser:
                                     "source (or --source). shift: warm start without one workload, then serve held-out "
                                     "sessions in which that workload starts arriving, online (learning) and against a "
                                     "predictor trained offline on all workloads. signals: warm start on the bundled and "
-                                    "recorded on-policy traces with and without the engine's signals (and without each "
-                                    "one), judged on the recorded held-out sessions against a perfect predictor. Each "
+                                    "recorded on-policy traces with and without the engine's own signal (on_policy: "
+                                    "the output is the served model's own), judged on the recorded held-out sessions "
+                                    "against a perfect predictor. Each "
                                     "prints and writes its report.")
     sc.add_argument("name", choices=["unseen", "shift", "signals"])
     sc.add_argument("--source", action="append", help="unseen: a source to leave out (repeatable; default every one)")

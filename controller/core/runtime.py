@@ -40,8 +40,7 @@ from predictor.decision.rivals import RIVAL_RULES, Outcome, StepView, conditiona
 from predictor.drafting.cache_drafter import CacheDrafter, SuffixConfig
 from predictor.drafting.common_prefix import lcp
 from predictor.drafting.features import NUM_FEATURES, DraftContext, feature_matrix
-from predictor.drafting.engine_signals import NUM_SIGNALS
-from predictor.drafting.hindsight import Hindsight, TrackedDraft, signal_rows
+from predictor.drafting.hindsight import Hindsight, TrackedDraft
 from predictor.drafting.token_classes import TokenClasses
 from predictor.gate.calibration import apply as apply_calibration
 from predictor.gate.mlp import GatePredictor
@@ -78,34 +77,23 @@ class RequestInput:
     # cut the rest at max_tokens or a stop token): what was accepted counts from this. None: as many
     # as `new_tokens`.
     sampled: int | None = None
-    # The engine's signals for each of `new_tokens` (float32, len(new_tokens) x NUM_SIGNALS, NaN where
-    # it had none: predictor.drafting.engine_signals). None: the engine computes none.
-    signals: np.ndarray | None = None
+    # The output is the verifying model's own (live traffic, a trace the engine recorded), not text
+    # another model wrote: DraftContext.on_policy. Read, like the prompt, when the request is first seen.
+    on_policy: bool = False
 
     _TOKEN_FIELDS = ("new_tokens", "prompt", "continuation")
 
     def to_json(self) -> dict:
-        """Plain JSON values (token ids as lists, signals as rows with null for NaN): recorded step
-        inputs kept in files, replayed later."""
-        out = {f: (np.asarray(v).tolist() if f in RequestInput._TOKEN_FIELDS and v is not None else v)
-               for f, v in ((f, getattr(self, f)) for f in RequestInput.__dataclass_fields__)}
-        if self.signals is not None:
-            out["signals"] = [[None if v != v else v for v in row] for row in np.asarray(self.signals).tolist()]
-        return out
+        """Plain JSON values (token ids as lists): recorded step inputs kept in files, replayed later."""
+        return {f: (np.asarray(v).tolist() if f in RequestInput._TOKEN_FIELDS and v is not None else v)
+                for f, v in ((f, getattr(self, f)) for f in RequestInput.__dataclass_fields__)}
 
     @classmethod
     def from_json(cls, values: dict) -> "RequestInput":
         """`to_json`'s inverse (token ids as int32 arrays); a field added since the file was written
         takes its default."""
-        def value(k: str, v: object) -> object:
-            if v is None:
-                return v
-            if k in cls._TOKEN_FIELDS:
-                return np.array(v, dtype=np.int32)
-            if k == "signals":
-                return np.array([[np.nan if x is None else x for x in row] for row in v], dtype=np.float32)
-            return v
-        return cls(**{k: value(k, v) for k, v in values.items()})
+        return cls(**{k: (np.array(v, dtype=np.int32) if k in cls._TOKEN_FIELDS and v is not None else v)
+                      for k, v in values.items()})
 
 
 @dataclass
@@ -470,9 +458,8 @@ class Runtime:
         """Refuse a bad request before the step changes anything."""
         if inp.verified is not None and inp.verified < 0:
             raise RequestInputError(f"request {inp.req_id!r}: verified must be >= 0, got {inp.verified}")
-        if inp.signals is not None and np.shape(inp.signals) != (len(inp.new_tokens), NUM_SIGNALS):
-            raise RequestInputError(f"request {inp.req_id!r}: signals must be {len(inp.new_tokens)} rows (one per new "
-                                    f"token) of {NUM_SIGNALS}, got shape {np.shape(inp.signals)}")
+        if not isinstance(inp.on_policy, (bool, np.bool_)):
+            raise RequestInputError(f"request {inp.req_id!r}: on_policy must be a bool, got {inp.on_policy!r}")
         if inp.req_id in self.requests:
             return
         if inp.prompt is None:
@@ -490,7 +477,7 @@ class Runtime:
         if st is None:
             prompt = np.asarray(inp.prompt, dtype=np.int32)
             st = RequestState(inp.req_id, inp.tenant, inp.workload, inp.speculate,
-                              Hindsight(prompt, WORKLOADS.index(inp.workload), self.classes))
+                              Hindsight(prompt, WORKLOADS.index(inp.workload), self.classes, bool(inp.on_policy)))
             self.requests[inp.req_id] = st
             self.drafter.start(inp.req_id, prompt)
             self.stats.requests_seen += 1
@@ -503,13 +490,11 @@ class Runtime:
             self._settle(st, st.verifying, inp.verified, len(new) if inp.sampled is None else inp.sampled, len(new))
             st.verifying = None
         hindsight = st.hindsight
-        signals = None if inp.signals is None else np.asarray(inp.signals, dtype=np.float32)
         if shadow and len(new) > 1:  # a token at a time, drafting after each but the last
             last = len(new) - 1
-            rows_of = signal_rows(signals, len(new))
             for j, token in enumerate(new.tolist()):
                 self.drafter.extend(inp.req_id, new[j : j + 1])
-                labelled = hindsight.append_token(token, rows_of[j])
+                labelled = hindsight.append_token(token)
                 if labelled:
                     self._labelled(st, labelled, rows)
                 if j < last:
@@ -517,7 +502,7 @@ class Runtime:
         else:
             if len(new):
                 self.drafter.extend(inp.req_id, new)
-            labelled = hindsight.append(new, signals)
+            labelled = hindsight.append(new)
             if labelled:
                 self._labelled(st, labelled, rows)
         return st

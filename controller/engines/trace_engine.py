@@ -22,7 +22,6 @@ from predictor.data.tokens import TraceTokenizer
 from predictor.data.traces import TraceRecord
 from predictor.decision.profiles import DrafterProfile, accepted_from_survival
 from predictor.drafting.common_prefix import lcp
-from predictor.drafting.engine_signals import missing
 from predictor.evaluation.simulator import Tally
 from predictor.replay.trace_replay import deployments
 
@@ -51,16 +50,6 @@ class _Live:
     pending_new: np.ndarray | None = None  # emitted by the last step, not yet reported
     started: bool = False
     verified: int | None = None  # draft tokens of the runtime's last plan for it that the step verified
-    signals: np.ndarray | None = None  # recorded: the engine's signals per output token
-
-    def step_signals(self, start: int, end: int) -> np.ndarray | None:
-        """What a serving engine hands over with out[start:end]: the last token's signals (the
-        tokens before it in the step: missing, as vLLM reads only the last row when not recording)."""
-        if self.signals is None:
-            return None
-        got = missing(end - start)
-        got[-1] = self.signals[end - 1]
-        return got
 
 
 def model_draft_accepted(drafter: DrafterProfile, seed: int, trace_id: str, position: int, workload: str) -> int:
@@ -98,8 +87,7 @@ def run_replay(runtime: Runtime, records: Sequence[TraceRecord], tokenizer: Trac
                 out = tokenizer.output_tokens(rec)
                 if len(out) == 0:
                     continue
-                item = _Live(rec, tokenizer.encode_context(rec), out, emitted=1, pending_new=out[:1],
-                             signals=None if rec.engine is None else rec.engine.signal_array())
+                item = _Live(rec, tokenizer.encode_context(rec), out, emitted=1, pending_new=out[:1])
                 tally = run.by_workload.setdefault(rec.workload, Tally())
                 tally.tokens += 1  # prefill emits the first token
                 tally.cycles += 1
@@ -113,8 +101,7 @@ def run_replay(runtime: Runtime, records: Sequence[TraceRecord], tokenizer: Trac
             inputs = [RequestInput(x.record.trace_id, x.pending_new, None if x.started else x.prompt,
                                    tenant_of(x.record), x.record.workload,
                                    continuation=x.out[x.emitted:] if oracle == "predictor" else None,
-                                   verified=x.verified,
-                                   signals=x.step_signals(x.emitted - len(x.pending_new), x.emitted)) for x in live]
+                                   verified=x.verified, on_policy=x.record.engine is not None) for x in live]
             for x in live:
                 x.started = True
             plan = runtime.step(inputs)

@@ -31,14 +31,14 @@ MODEL_DRAFT_LEN = 3
 LOCAL_ARGMAX = True
 # hvd: the hybrid (the default rule, EAGLE3 fallback); hvd-binary: the hybrid with the seed's binary
 # rule (whole cache draft iff the predicted length beats tau); arctic: ArcticInference's score rule on
-# the same plugin; hvd-none: the hybrid with plain decoding as the fallback; hvd-no-signals: the hybrid
-# without the engine's signals (HVD_ENGINE_SIGNALS=0: the gate sees them missing).
+# the same plugin; hvd-none: the hybrid with plain decoding as the fallback; hvd-off-policy: the hybrid
+# with its traffic read as other models' text (HVD_ON_POLICY=0: the gate's on_policy feature off).
 # vllm-adaptive, sglang-hybrid, trtllm: the competitors' rules (predictor.decision.rivals) on the same
 # plugin, drafts and EAGLE3 fallback.
 RIVAL_METHODS = ("vllm-adaptive", "sglang-hybrid", "trtllm")
-METHODS = ("none", "ngram", "suffix", "eagle3", "arctic", "hvd", "hvd-binary", "hvd-none", "hvd-no-signals",
+METHODS = ("none", "ngram", "suffix", "eagle3", "arctic", "hvd", "hvd-binary", "hvd-none", "hvd-off-policy",
            *RIVAL_METHODS)
-HYBRIDS = ("arctic", "hvd", "hvd-binary", "hvd-none", "hvd-no-signals", *RIVAL_METHODS)
+HYBRIDS = ("arctic", "hvd", "hvd-binary", "hvd-none", "hvd-off-policy", *RIVAL_METHODS)
 _RULE_OF = {"arctic": "arctic", "hvd-binary": "binary", **{m: m for m in RIVAL_METHODS}}  # the others: the default rule
 
 # What vLLM's CPU install guide preloads ("set LD_PRELOAD"): tcmalloc (Debian libtcmalloc-minimal4)
@@ -213,7 +213,7 @@ def speculative_config(method: str, head: Path = EAGLE_HEAD) -> dict | None:
         return {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     if method in ("suffix", "hvd-none"):
         return {"method": "suffix", "num_speculative_tokens": K_MAX}
-    if method in ("eagle3", "arctic", "hvd", "hvd-binary", "hvd-no-signals", *RIVAL_METHODS):
+    if method in ("eagle3", "arctic", "hvd", "hvd-binary", "hvd-off-policy", *RIVAL_METHODS):
         if not (head / "config.json").is_file():
             raise FileNotFoundError(f"{head}/config.json is missing: run `make setup` (random head) or "
                                     "`make eagle3` (trained head)")
@@ -230,7 +230,7 @@ def method_env(method: str) -> dict[str, str | None]:
     hybrid = method in HYBRIDS
     return {"HVD_HYBRID": "1" if hybrid else None, "HVD_RULE": _RULE_OF.get(method),
             "HVD_MODEL_DRAFT_LEN": str(MODEL_DRAFT_LEN) if hybrid else None,
-            "HVD_ENGINE_SIGNALS": "0" if method == "hvd-no-signals" else None}
+            "HVD_ON_POLICY": "0" if method == "hvd-off-policy" else None}
 
 
 def apply_method_env(method: str) -> None:

@@ -26,7 +26,6 @@ from controller.core.metrics import HvdMetrics
 from controller.core.request_metadata import RequestMetadata, RequestMetadataError, parse_request_metadata
 from controller.core.runtime import RequestInput
 from controller.core.step_costs import StepTimingError
-from controller.engines.vllm_signals import step_signals
 from controller.engines.vllm_step_clock import StepClock
 from controller.services.stack import ServiceStack, decision_config
 from controller.services.trace_recorder import ServedRequest, TraceRecorder
@@ -119,11 +118,9 @@ class HybridState:
         self.metrics = metrics
         self.clock = StepClock()
         self._timing_failed = False
-        self._signals_failed = False
         # The allocator prices steps with what this engine's steps cost (the named profile until
         # the fit has enough decode steps); HVD_LIVE_COST=0 keeps the named profile.
         self.live_cost = LiveCostModel(decision.cost) if settings.live_cost else None
-        self._signals: list[np.ndarray] | None = None  # this step's, per batch row (read_signals)
         self.recorder = None
         if settings.record:
             self.recorder = TraceRecorder(settings.record, tokenizer, replica=self.stack.writer.replica,
@@ -148,21 +145,6 @@ class HybridState:
             self._meta[req_id] = meta
         return meta
 
-    def read_signals(self, logits, sampled, spec_decode_metadata) -> None:
-        """The step's engine signals from its logits, once sampled: for each request's last emitted
-        token, which is what the gate reads at the step's end (the drafts the runtime makes in the
-        shadow at the positions before it see them missing), or for every emitted token when the
-        recorder keeps them all. A failure is logged once and the step goes on without them."""
-        self._signals = None
-        if not self.settings.engine_signals or logits is None or self._signals_failed:
-            return
-        try:
-            self._signals = step_signals(logits, sampled, getattr(spec_decode_metadata, "num_draft_tokens", None),
-                                         every_token=self.recorder is not None)
-        except (RuntimeError, ValueError, IndexError) as exc:
-            self._signals_failed = True
-            log.exception("HVD engine signals failed (logged once; the gate goes on without them): %s", exc)
-
     def finish_requests(self, req_ids) -> None:
         """Requests vLLM's scheduler finished or aborted: it says so at the start of a later step
         (`finished_req_ids`), often one that schedules nothing, where no drafter is called; so the
@@ -177,7 +159,7 @@ class HybridState:
             if self.recorder is not None:
                 h = st.hindsight
                 self.recorder.add(ServedRequest(r, st.tenant, st.workload, h.tokens[: h.prompt_len].copy(),
-                                                np.asarray(h.out, dtype=np.int32), h.signal_array()))
+                                                np.asarray(h.out, dtype=np.int32)))
             self.runtime.finish(r)
 
     def decide(self, runner, scheduler_output, sampled_token_ids):
@@ -190,7 +172,6 @@ class HybridState:
         valid = _valid_sampled_lists(runner, sampled_token_ids)
         known = self.runtime.requests
         scheduled = scheduler_output.scheduled_spec_decode_tokens
-        signals, self._signals = self._signals, None
         inputs, rows = [], []
         for i, req_id in enumerate(req_ids):
             if not valid[i]:  # still prefilling: nothing sampled, nothing to draft
@@ -202,7 +183,7 @@ class HybridState:
             inputs.append(RequestInput(req_id, new, prompt, tenant=meta.tenant, workload=meta.workload,
                                        speculate=meta.speculate, verified=_verified(scheduled.get(req_id)),
                                        sampled=len(valid[i]) if len(new) != len(valid[i]) else None,
-                                       signals=_signals_of(signals, i, len(valid[i]), len(new))))
+                                       on_policy=self.settings.on_policy))
             rows.append(i)
         plan = self.runtime.step(inputs)
         return plan, rows, req_ids
@@ -264,14 +245,6 @@ def _valid_sampled_lists(runner, sampled_token_ids) -> list[list[int]]:
     rows = sampled_token_ids.tolist()
     discard = runner.discard_request_mask.np[: len(rows)]
     return [[] if discard[i] else [t for t in row if t >= 0] for i, row in enumerate(rows)]
-
-
-def _signals_of(signals: list[np.ndarray] | None, row: int, sampled: int, kept: int) -> np.ndarray | None:
-    """The signals of the tokens a request kept this step (None where the step read none, or they
-    do not line up with what it sampled)."""
-    if signals is None or row >= len(signals) or len(signals[row]) != sampled:
-        return None
-    return signals[row][:kept]
 
 
 def _verified(spec_tokens) -> int:

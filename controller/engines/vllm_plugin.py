@@ -82,8 +82,7 @@ def install() -> None:
     """Wrap GPUModelRunner (the CPU runner inherits what is wrapped): its constructor builds HVD
     with the engine (start-up, not the first step); `propose_draft_token_ids` is the hybrid
     drafter; `execute_model`, `_sample` and `sample_tokens` time the step
-    (controller.engines.vllm_step_clock), and `_sample` hands the sampled step's logits to the
-    engine signals (controller.engines.vllm_signals). Idempotent; runners built while HVD_HYBRID is unset keep
+    (controller.engines.vllm_step_clock). Idempotent; runners built while HVD_HYBRID is unset keep
     vLLM's own drafter and are not timed."""
     global _PATCHED
     with _LOCK:
@@ -121,15 +120,12 @@ def install() -> None:
                 state.end_step()
             return out
 
-        def _sample(self, logits, spec_decode_metadata, *args, **kwargs):
+        def _sample(self, *args, **kwargs):
             state = getattr(self, "_hvd_state", None)
             t0 = time.perf_counter()
-            out = sample(self, logits, spec_decode_metadata, *args, **kwargs)
+            out = sample(self, *args, **kwargs)
             if state is not None:
-                t1 = time.perf_counter()
-                state.clock.add("target", t1 - t0)
-                state.read_signals(logits, out.sampled_token_ids, spec_decode_metadata)
-                state.clock.add("hvd", time.perf_counter() - t1)
+                state.clock.add("target", time.perf_counter() - t0)
             return out
 
         def sample_tokens_(self, *args, **kwargs):

@@ -1,20 +1,22 @@
-"""`hvd scenario signals`: what the engine's signals buy, on SmolLM2's own held-out answers.
+"""`hvd scenario signals`: what the engine's own signal buys, on SmolLM2's own held-out answers.
+
+The engine knows one thing the text-only traces do not: that the output it verifies is its own.
+The `on_policy` feature says so (live traffic and the traces the engine recorded: 1; text other
+models wrote: 0). The target's confidence at the last emitted position (top-1 probability, logit gap,
+entropy) was measured here too and bought nothing beyond it, so it was removed (docs/results/figures.md).
 
 The warm start learns from the bundled traces and the recorded on-policy corpus
-(data/onpolicy-train.jsonl.xz: SmolLM2's answers with the engine's signals), once per variant of
-the signal columns: all of them ("signals"), none ("text-only": the columns zeroed, as if every
-trace were text-only, so the gate ignores them), the missing indicator alone ("indicator-only": it
-tells recorded SmolLM2 traffic from the other models' traces, and nothing else), and each signal
-dropped in turn ("without-<name>", which measures what that one buys). Every variant learns from the same seeded sample of drafts
-with the same training config. Each is then judged on the held-out recorded sessions
-(data/onpolicy-held-out.jsonl.xz, never trained on):
+(data/onpolicy-train.jsonl.xz: SmolLM2's answers as the engine emitted them) twice: with the column
+("on-policy") and with it zeroed ("text-only": as if every trace were other models' text, so the gate
+ignores it). Both learn from the same seeded sample of drafts with the same training config. Each is
+then judged on the held-out recorded sessions (data/onpolicy-held-out.jsonl.xz, never trained on):
 
 - offline, on the held-out replay's drafts: AUC of S(1) for "accepted >= 1" and precision/recall
   at accepted length >= 6;
-- served on the replay engine (synchronous, seeded) with learning off, and for "signals" and
-  "text-only" also learning on; beside them the perfect predictor (every cache draft's true
-  accepted length), which bounds what any predictor can buy. The headroom a variant recovers is
-  (text-only - variant) / (text-only - perfect) in simulated ms per 1k tokens.
+- served on the replay engine (synchronous, seeded) with learning off and on; beside them the
+  perfect predictor (every cache draft's true accepted length), which bounds what any predictor
+  can buy. The headroom a variant recovers is (text-only - variant) / (text-only - perfect) in
+  simulated ms per 1k tokens.
 """
 from __future__ import annotations
 
@@ -29,7 +31,6 @@ import numpy as np
 from controller.cli.serve_traces import ReplayServeOptions
 from controller.scenarios.unseen import TRAIN_DRAFTS, serve_mode
 from predictor.data.traces import TraceRecord
-from predictor.drafting.engine_signals import SIGNAL_NAMES
 from predictor.drafting.features import FEATURE_NAMES, schema_hash
 from predictor.evaluation.gate_quality import auc, precision_recall
 from predictor.gate.mlp import GatePredictor
@@ -37,25 +38,16 @@ from predictor.gate.training import TrainConfig, train_gate
 from predictor.replay.dataset import Dataset
 from predictor.replay.trace_replay import ReplayResult
 
-SIGNALS, TEXT_ONLY, INDICATOR_ONLY = "signals", "text-only", "indicator-only"
-COLUMN_OF = {name: FEATURE_NAMES.index(f"target_{name}") for name in SIGNAL_NAMES}
-HAS_COLUMN = FEATURE_NAMES.index("has_target_signals")
-VARIANTS = (SIGNALS, TEXT_ONLY, INDICATOR_ONLY, *(f"without-{name}" for name in SIGNAL_NAMES))
-SERVED_LEARNING = (SIGNALS, TEXT_ONLY)  # also served learning on
+ON_POLICY, TEXT_ONLY = "on-policy", "text-only"
+ON_POLICY_COLUMN = FEATURE_NAMES.index("on_policy")
+VARIANTS = (ON_POLICY, TEXT_ONLY)
 
 
 def dropped_columns(variant: str) -> list[int]:
     """The feature columns a variant zeroes."""
-    if variant == SIGNALS:
-        return []
-    if variant == TEXT_ONLY:
-        return [*COLUMN_OF.values(), HAS_COLUMN]
-    if variant == INDICATOR_ONLY:
-        return list(COLUMN_OF.values())
-    name = variant.removeprefix("without-")
-    if name not in COLUMN_OF:
+    if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; known: {VARIANTS}")
-    return [COLUMN_OF[name]]
+    return [ON_POLICY_COLUMN] if variant == TEXT_ONLY else []
 
 
 def masked(x: np.ndarray, variant: str) -> np.ndarray:
@@ -82,8 +74,8 @@ def train_variant(data: Dataset, variant: str, config: TrainConfig, cache_dir: P
     rows = np.flatnonzero(rp.draft_len > 0)
     if len(rows) > max_drafts:
         rows = np.sort(np.random.default_rng(config.seed).choice(rows, max_drafts, replace=False))
-    with_signals = int(rp.features[rows, HAS_COLUMN].sum())
-    log(f"  training the {variant} warm start on {len(rows)} drafts ({with_signals} with the engine's signals)")
+    on_policy = int(rp.features[rows, ON_POLICY_COLUMN].sum())
+    log(f"  training the {variant} warm start on {len(rows)} drafts ({on_policy} on-policy)")
     model = train_gate(masked(rp.features[rows], variant), rp.label[rows], rp.row_workload()[rows], config)
     gate = GatePredictor.from_torch(model, schema_hash())
     if path is not None:
@@ -109,7 +101,8 @@ def run_signals(data: Dataset, held: Sequence[TraceRecord], held_replay: ReplayR
     if not held:
         raise ValueError("no held-out recorded sessions to serve")
     if not any(r.engine is not None for r in held):
-        raise ValueError("the held-out traces carry no engine signals (record them: tools/record_onpolicy.py)")
+        raise ValueError("the held-out traces are none of them recorded by the engine (record them: "
+                         "tools/record_onpolicy.py)")
     train = train or TrainConfig(seed=opts.seed)
     folder.mkdir(parents=True, exist_ok=True)
     gates = {v: train_variant(data, v, train, folder / "gates", log) for v in variants}
@@ -122,8 +115,7 @@ def run_signals(data: Dataset, held: Sequence[TraceRecord], held_replay: ReplayR
     for v, gate in gates.items():
         figures = quality(gate, held_replay)
         figures["static_ms_per_1k"] = serve_mode("static", gate, held, folder / v, static, whole, log).ms_per_1k
-        if v in SERVED_LEARNING:
-            figures["learn_ms_per_1k"] = serve_mode("learn", gate, held, folder / v, opts, whole, log).ms_per_1k
+        figures["learn_ms_per_1k"] = serve_mode("learn", gate, held, folder / v, opts, whole, log).ms_per_1k
         report["variants"][v] = figures
     perfect = serve_mode("perfect", gates[variants[0]], held, folder / "perfect", static, whole, log)
     report["perfect_ms_per_1k"] = perfect.ms_per_1k

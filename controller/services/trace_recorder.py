@@ -1,8 +1,8 @@
 """Served traffic recorded as traces (HVD_RECORD): every finished request's prompt and output, with
 its workload and tenant, one JSON line each in the documented trace format (docs/guides/traces.md),
-so that what the engine served can be replayed (`hvd eval --traces`) with the costs it measured;
-where the engine read its signals, the line's `engine` field keeps the output's token ids and each
-token's signals, which replay and warm start then train on.
+so that what the engine served can be replayed (`hvd eval --traces`) with the costs it measured.
+The line's `engine` field keeps the token ids the engine emitted: replay reads the output exactly as
+served, and the features mark it as the verifying model's own (DraftContext.on_policy).
 
 Opt-in and bounded: at most `max_requests` requests per process are recorded (then recording stops,
 said once), and at most `max_pending` wait to be written (more are dropped and counted). The
@@ -22,7 +22,6 @@ import numpy as np
 
 from controller.services.lifecycle import BackgroundService
 from predictor.data.tokens import TraceTokenizer
-from predictor.drafting.engine_signals import SIGNAL_NAMES, rounded
 
 log = logging.getLogger("hvd.record")
 
@@ -34,7 +33,6 @@ class ServedRequest:
     workload: str
     prompt: np.ndarray  # token ids
     output: np.ndarray  # token ids, the first (prefill) token included
-    signals: np.ndarray | None = None  # per output token, the engine's signals (NaN: not read)
 
 
 class TraceRecorder(BackgroundService):
@@ -74,12 +72,10 @@ class TraceRecorder(BackgroundService):
     def record(self, r: ServedRequest) -> dict:
         """The trace line of one served request."""
         trace_id = f"{self.replica}:{r.request_id}"
-        line = {"trace_id": trace_id, "session_id": trace_id, "source": "recorded", "model": self.model,
+        return {"trace_id": trace_id, "session_id": trace_id, "source": "recorded", "model": self.model,
                 "run": self.replica, "workload": r.workload, "tenant": r.tenant,
-                "context": self.tokenizer.decode(r.prompt), "output": self.tokenizer.decode(r.output)}
-        if r.signals is not None and len(r.signals) == len(r.output) and not np.isnan(r.signals).all():
-            line["engine"] = {"output_ids": r.output.tolist(), **dict(zip(SIGNAL_NAMES, rounded(r.signals)))}
-        return line
+                "context": self.tokenizer.decode(r.prompt), "output": self.tokenizer.decode(r.output),
+                "engine": {"output_ids": r.output.tolist()}}
 
     def flush(self) -> bool:
         with self._round_lock:

@@ -15,25 +15,21 @@ Record schema (one JSON object per line; `.jsonl`, `.jsonl.gz` or `.jsonl.xz`)::
     context   (required) a prompt string, or a list of {"role", "content"} messages
     output    (required) non-empty text the model produced
     trace_id, session_id, turn, source, model, run, tenant   (optional, see parse_record)
-    engine    (optional) what the serving engine knew per output token, as the recorder writes it
-              (HVD_RECORD): {"output_ids": [...], "top1_prob": [...], "logit_gap": [...],
-              "entropy": [...]}, the token ids the engine emitted (replay uses them rather than
-              tokenizing `output` again) and one value or null per token for each signal
-              (predictor.drafting.engine_signals)
+    engine    (optional) present where the serving engine itself recorded the line (HVD_RECORD):
+              {"output_ids": [...]}, the token ids it emitted (replay uses them rather than tokenizing
+              `output` again; the output is the verifying model's own: DraftContext.on_policy).
+              Lines recorded before schema 5 also carry per-token "top1_prob", "logit_gap" and
+              "entropy" lists: read past, as no feature uses them any more
 """
 from __future__ import annotations
 
 import gzip
 import json
 import lzma
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Sequence
 
-import numpy as np
-
-from predictor.drafting.engine_signals import SIGNAL_NAMES, missing
 from storage.workloads import WORKLOADS
 
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
@@ -55,14 +51,9 @@ class Message:
 
 @dataclass(frozen=True)
 class EngineRecord:
-    """The engine's own view of an output: its token ids and, per token, each signal (None: unknown)."""
+    """The engine's own view of an output it served: the token ids it emitted."""
 
     output_ids: tuple[int, ...]
-    signals: tuple[tuple[float | None, ...], ...]  # one tuple per name of SIGNAL_NAMES, each as long as output_ids
-
-    def signal_array(self) -> np.ndarray:
-        """float32, tokens x NUM_SIGNALS, NaN where unknown."""
-        return np.array(self.signals, dtype=np.float64).T.astype(np.float32) if self.output_ids else missing(0)
 
 
 @dataclass(frozen=True)
@@ -77,7 +68,7 @@ class TraceRecord:
     context: tuple[Message, ...] | str
     output: str
     tenant: str = "default"  # who was served (recorded traffic says; replay may serve each tenant's overrides)
-    engine: EngineRecord | None = None  # recorded traces: the engine's tokens and signals
+    engine: EngineRecord | None = None  # recorded by the serving engine: its tokens
 
 
 class TraceFormatError(ValueError):
@@ -106,7 +97,7 @@ ONPOLICY_SPLITS = ("train", "held-out")
 
 
 def onpolicy_traces_path(split: str) -> Path:
-    """The recorded on-policy corpus (SmolLM2's own answers with the engine's signals,
+    """The recorded on-policy corpus (SmolLM2's own answers as the engine emitted them,
     tools/record_onpolicy.py): the training prompts' ("train") or the held-out ones' ("held-out")."""
     if split not in ONPOLICY_SPLITS:
         raise ValueError(f"on-policy split must be one of {ONPOLICY_SPLITS}, got {split!r}")
@@ -241,40 +232,26 @@ def parse_record(
     )
 
 
-_SIGNAL_RANGES = {"top1_prob": (0.0, 1.0), "logit_gap": (-math.inf, math.inf), "entropy": (0.0, math.inf)}
+_LEGACY_ENGINE_KEYS = frozenset({"top1_prob", "logit_gap", "entropy"})  # recorded before schema 5, read past
 
 
 def _engine(obj: dict[str, Any], where: str) -> EngineRecord | None:
-    """The optional `engine` object: token ids and one finite value (or null) per token per signal."""
+    """The optional `engine` object: the token ids the engine emitted."""
     if "engine" not in obj:
         return None
     value = obj["engine"]
     if not isinstance(value, dict):
         raise _fail(where, "engine", f"must be an object, got {type(value).__name__}")
-    expected = ("output_ids", *SIGNAL_NAMES)
-    wrong = sorted(set(value) ^ set(expected))
+    wrong = sorted((set(value) - _LEGACY_ENGINE_KEYS) ^ {"output_ids"})
     if wrong:
-        raise _fail(where, "engine", f"has keys {sorted(value)}; expected exactly {list(expected)} ({wrong[0]!r})")
+        raise _fail(where, "engine", f"has keys {sorted(value)}; expected exactly ['output_ids'] ({wrong[0]!r})")
     ids = value["output_ids"]
     if not isinstance(ids, list) or not ids:
         raise _fail(where, "engine.output_ids", "must be a non-empty list of token ids")
     for i, t in enumerate(ids):
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID:
             raise _fail(where, f"engine.output_ids[{i}]", f"must be a token id (an integer 0..{MAX_TOKEN_ID}), got {t!r}")
-    columns = []
-    for name in SIGNAL_NAMES:
-        column = value[name]
-        if not isinstance(column, list) or len(column) != len(ids):
-            got = f"{len(column)} values" if isinstance(column, list) else type(column).__name__
-            raise _fail(where, f"engine.{name}", f"must be a list of {len(ids)} values (one per output id), got {got}")
-        lo, hi = _SIGNAL_RANGES[name]
-        for i, v in enumerate(column):
-            if v is None:
-                continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
-                raise _fail(where, f"engine.{name}[{i}]", f"must be null or a finite number in [{lo}, {hi}], got {v!r}")
-        columns.append(tuple(None if v is None else float(v) for v in column))
-    return EngineRecord(tuple(ids), tuple(columns))
+    return EngineRecord(tuple(ids))
 
 
 # ---------------------------------------------------------------- files

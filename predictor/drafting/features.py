@@ -28,10 +28,8 @@ from predictor.drafting.cache_drafter import TREE_GLOBAL, TREE_PROMPT, CacheDraf
 from predictor.drafting.token_classes import BRACKET, DIGIT, NEWLINE, QUOTE, TokenClasses
 from storage.workloads import WORKLOADS
 
-FEATURE_SCHEMA_VERSION = 4  # 4: the engine's signals and their missing indicator
+FEATURE_SCHEMA_VERSION = 5  # 4: the engine's signals; 5: of them only whether the text is on-policy
 MAX_NESTING = 8
-MAX_LOGIT_GAP = 20.0  # beyond this the top-1 token is certain in float32; a bound keeps outliers out
-MAX_ENTROPY = 10.0  # nats (a uniform distribution over SmolLM2's 49,152 tokens: 10.8)
 
 
 class DraftContext(NamedTuple):
@@ -54,12 +52,9 @@ class DraftContext(NamedTuple):
     agree_2: float  # prev_agree of the draft made at t - 2 (0 if none)
     agree_4: float
     hit_streak: int  # consecutive positions up to t whose draft's first token was right
-    # The target's distribution at the last emitted position, as the engine computed it
-    # (predictor.drafting.engine_signals); 0 with has_signals False where the engine or trace had none.
-    top1_prob: float = 0.0
-    logit_gap: float = 0.0
-    entropy: float = 0.0
-    has_signals: bool = False
+    # The output is the verifying model's own: live traffic, or a trace the serving engine recorded
+    # (predictor.data.traces.EngineRecord); False for text other models wrote.
+    on_policy: bool = False
 
 
 _draft, _token_ids, _probs = attrgetter("draft"), attrgetter("token_ids"), attrgetter("probs")
@@ -147,10 +142,7 @@ FEATURES: tuple[tuple[str, Formula], ...] = (
     ("log_hit_streak", lambda b: np.log1p(b.hit_streak)),
     ("first_token_newline", lambda b: b.first_token_has(NEWLINE)),
     ("first_token_bracket_quote", lambda b: b.first_token_has(BRACKET | QUOTE)),
-    ("target_top1_prob", lambda b: b.top1_prob),
-    ("target_logit_gap", lambda b: np.minimum(b.logit_gap, MAX_LOGIT_GAP)),
-    ("target_entropy", lambda b: np.minimum(b.entropy, MAX_ENTROPY)),
-    ("has_target_signals", lambda b: b.has_signals),
+    ("on_policy", lambda b: b.on_policy),
 ) + tuple((f"workload_{w}", lambda b, i=i: b.workload == i) for i, w in enumerate(WORKLOADS))
 
 FEATURE_NAMES: tuple[str, ...] = tuple(name for name, _ in FEATURES)
@@ -215,7 +207,7 @@ def _few_rows(rows: Sequence[DraftContext], classes: TokenClasses) -> np.ndarray
     table = []
     for c, d in zip(rows, drafts):
         (_, continues, position, context_len, nesting, at_line_start, workload, prev_agree, prev_gap, has_prev,
-         last_label, mean_label, n_resolved, agree_2, agree_4, hit_streak, top1, gap, entropy, has_signals) = c
+         last_label, mean_label, n_resolved, agree_2, agree_4, hit_streak, on_policy) = c
         tokens = d.token_ids
         k = len(tokens)
         if k:
@@ -237,8 +229,7 @@ def _few_rows(rows: Sequence[DraftContext], classes: TokenClasses) -> np.ndarray
                 at_line_start, prev_agree, lp_gap, has_prev, last_label, mean_label, lp_resolved,
                 d.other_score, d.other_len, d.trees_agree / k if k else 0.0, continues / k if k else 0.0,
                 agree_2, agree_4, lp_streak, (first & NEWLINE) > 0, (first & (BRACKET | QUOTE)) > 0,
-                top1, gap if gap < MAX_LOGIT_GAP else MAX_LOGIT_GAP,
-                entropy if entropy < MAX_ENTROPY else MAX_ENTROPY, has_signals]
+                on_policy]
         row += [workload == i for i in workloads]
         table.append(row)
     return np.array(table, dtype=np.float32)

@@ -18,7 +18,6 @@ import numpy as np
 
 from predictor.drafting.cache_drafter import CacheDraft
 from predictor.drafting.common_prefix import lcp
-from predictor.drafting.engine_signals import NUM_SIGNALS, missing
 from predictor.drafting.features import DraftContext
 from predictor.drafting.token_classes import TokenClasses
 
@@ -41,17 +40,15 @@ Labelled = tuple[TrackedDraft, int]
 class Hindsight:
     """One request: its tokens, its drafts waiting for labels, and the history at its current position."""
 
-    def __init__(self, prompt: np.ndarray, workload: int, classes: TokenClasses) -> None:
+    def __init__(self, prompt: np.ndarray, workload: int, classes: TokenClasses, on_policy: bool = False) -> None:
         self.prompt_len = len(prompt)
         self.workload = workload
+        self.on_policy = on_policy  # DraftContext.on_policy: the output is the verifying model's own
         self._classes = classes
         self._buffer = np.zeros(max(64, 2 * len(prompt)), dtype=np.int32)  # prompt + output
         self._buffer[: len(prompt)] = prompt
         self._length = len(prompt)
         self.out: list[int] = []
-        # Per output position, the engine's signals for the distribution that emitted it
-        # (predictor.drafting.engine_signals: top-1 prob, logit gap, entropy), None where unknown.
-        self.signals: list[tuple[float, float, float] | None] = []
         self.nesting = 0
         self._pending: list[TrackedDraft] = []
         self._recent: dict[int, TrackedDraft] = {}  # position -> draft, the last few positions
@@ -72,13 +69,11 @@ class Hindsight:
         """Prompt and output so far: what the suffix cache drafts after."""
         return self._buffer[: self._length]
 
-    def append(self, tokens: np.ndarray, signals: np.ndarray | None = None) -> list[Labelled]:
-        """Take in realised output tokens (and the engine's signals for each, rows of NaN where it had
-        none); returns the drafts whose labels they decide, with the labels."""
+    def append(self, tokens: np.ndarray) -> list[Labelled]:
+        """Take in realised output tokens; returns the drafts whose labels they decide, with the labels."""
         new = tokens.tolist()
         if not new:
             return []
-        self.signals.extend(signal_rows(signals, len(new)))
         end = self._length + len(new)
         if end > len(self._buffer):
             grown = np.zeros(max(2 * len(self._buffer), end), dtype=np.int32)
@@ -96,7 +91,7 @@ class Hindsight:
             out.append(token)
         return self._resolve(final=False) if self._pending else []
 
-    def append_token(self, token: int, signal: tuple[float, float, float] | None = None) -> list[Labelled]:
+    def append_token(self, token: int) -> list[Labelled]:
         """`append` of one token given as an int: the live runtime takes a multi-token step's
         tokens one at a time (drafting in between), where a one-token array and its `tolist`
         would cost more than the rest."""
@@ -107,7 +102,6 @@ class Hindsight:
             self._buffer = grown
         self._buffer[self._length] = token
         self._length = end
-        self.signals.append(signal)
         out = self.out
         self.nesting += self._classes.depth_delta[token]
         self._streak = self._streak + 1 if self._first_tokens.pop(len(out), None) == token else 0
@@ -126,7 +120,6 @@ class Hindsight:
         if prev is not None and draft.token_ids:
             continues = lcp(prev.tokens[t - prev.position :], draft.token_ids)
         two, four = self._recent.get(t - 2), self._recent.get(t - 4)
-        signal = self.signals[-1] if t else None
         return DraftContext(
             draft, continues, t, self._length, self.nesting,
             self._classes.ends_line[self.out[-1]] if t else False,  # at_line_start
@@ -140,17 +133,8 @@ class Hindsight:
             _agreement(two, t) if two is not None else 0.0,  # agree_2
             _agreement(four, t) if four is not None else 0.0,  # agree_4
             self._streak,  # hit_streak
-            *((*signal, True) if signal is not None else _NO_SIGNALS),
+            self.on_policy,
         )
-
-    def signal_array(self) -> np.ndarray:
-        """Every output position's signals (float32, positions x NUM_SIGNALS, NaN where unknown)."""
-        rows = self.signals
-        out = missing(len(rows))
-        known = [i for i, r in enumerate(rows) if r is not None]
-        if known:
-            out[known] = [rows[i] for i in known]
-        return out
 
     def add(self, draft: CacheDraft) -> TrackedDraft:
         """The draft made at the current position joins the history (later positions see it)."""
@@ -190,18 +174,6 @@ class Hindsight:
                 still.append(d)
         self._pending = still
         return done
-
-
-_NO_SIGNALS = (0.0, 0.0, 0.0, False)
-
-
-def signal_rows(signals: np.ndarray | None, n: int) -> list[tuple[float, float, float] | None]:
-    """`n` positions' signals as Hindsight keeps them: a row with a NaN is unknown."""
-    if signals is None:
-        return [None] * n
-    if signals.shape != (n, NUM_SIGNALS):
-        raise ValueError(f"engine signals: expected {n} rows of {NUM_SIGNALS}, got shape {signals.shape}")
-    return [None if any(v != v for v in r) else tuple(r) for r in signals.tolist()]
 
 
 def _agreement(d: TrackedDraft, t: int) -> float:

@@ -103,17 +103,17 @@ class _TraceRows:
 def _replay_one(drafter: CacheDrafter, record: TraceRecord, trace: int, tokenizer: TraceTokenizer) -> _TraceRows:
     prompt = tokenizer.encode_context(record)
     out = tokenizer.output_tokens(record)
-    signals = None if record.engine is None else record.engine.signal_array()
     n = len(out)
     req_id = f"{trace}"
     drafter.start(req_id, prompt)
-    request = Hindsight(prompt, WORKLOADS.index(record.workload), token_classes(tokenizer))
+    request = Hindsight(prompt, WORKLOADS.index(record.workload), token_classes(tokenizer),
+                        on_policy=record.engine is not None)
     rows: list[DraftContext] = []
     labels = [0] * max(n - 1, 0)  # per position t >= 1
     for t in range(n):
         token = out[t : t + 1]
         drafter.extend(req_id, token)
-        for d, y in request.append(token, None if signals is None else signals[t : t + 1]):
+        for d, y in request.append(token):
             labels[d.position - 1] = y
         if t + 1 < n:  # a draft after every output token but the last
             draft = drafter.draft(req_id, request.tokens)

@@ -20,7 +20,7 @@ from predictor.drafting.cache_drafter import SuffixConfig
 from predictor.drafting.features import schema_hash
 from predictor.replay.trace_replay import ProgressFn, ReplayResult, replay
 
-REPLAY_VERSION = 3  # 2: token_probs; 3: recorded engine tokens and signals. Bump when replay semantics change without a feature schema change
+REPLAY_VERSION = 3  # 2: token_probs; 3: recorded engine tokens. Bump when replay semantics change without a feature schema change
 DEFAULT_CACHE_DIR = REPO_ROOT / "var" / "cache"
 _ARRAYS = ("trace", "position", "draft_len", "label", "score", "features", "output_len", "workload", "token_probs")
 
@@ -32,7 +32,7 @@ def replay_key(records: Sequence[TraceRecord], config: SuffixConfig) -> str:
     for r in records:
         h.update(json.dumps([r.trace_id, r.session_id, r.turn, r.source, r.workload, r.model, r.run,
                              r.context if isinstance(r.context, str) else [[m.role, m.content] for m in r.context],
-                             r.output, None if r.engine is None else [r.engine.output_ids, r.engine.signals]]).encode())
+                             r.output, None if r.engine is None else r.engine.output_ids]).encode())
     return h.hexdigest()
 
 
