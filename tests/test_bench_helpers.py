@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 # bench/ is on sys.path through pytest's pythonpath (pyproject.toml).
 import eagle3_train_step  # noqa: E402
+import eagle_agreement  # noqa: E402
 import eagle_overhead  # noqa: E402
 import measure  # noqa: E402
 import vllm_methods  # noqa: E402
@@ -26,6 +27,18 @@ def test_rotations_are_permutations_and_move_the_first(items, reps):
     for r, order in enumerate(orders):
         assert sorted(order) == sorted(items)
         assert order[0] == items[r % len(items)]
+
+
+def test_agreement_logistic_recovers_its_coefficients_and_cross_fits():
+    rng = np.random.default_rng(0)
+    x = np.column_stack([rng.normal(size=4000), rng.integers(0, 2, 4000), np.ones(4000)])
+    w = np.array([1.5, -2.0, 0.5])
+    y = (rng.random(4000) < 1 / (1 + np.exp(-x @ w))).astype(np.float64)
+    np.testing.assert_allclose(eagle_agreement.logistic(x, y), w, atol=0.2)
+    fold = np.arange(4000) % 2
+    p = eagle_agreement.cross_fitted(x, y, fold)
+    p_fold0 = 1 / (1 + np.exp(-x[fold == 0] @ eagle_agreement.logistic(x[fold == 1], y[fold == 1])))
+    np.testing.assert_allclose(p[fold == 0], p_fold0)  # each half scored by the model of the other
 
 
 def test_rotations_refuse_no_repetitions():
