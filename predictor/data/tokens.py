@@ -57,8 +57,8 @@ class TraceTokenizer:
         return self._encode(text)
 
     def output_tokens(self, record: TraceRecord) -> np.ndarray:
-        """A record's output as token ids: the engine's own where it was recorded with them (its
-        signals are per token of those), else the output text encoded."""
+        """A record's output as token ids: the engine's own where it recorded them (exactly what it
+        served; the text may not encode back to them), else the output text encoded."""
         if record.engine is not None:
             return np.asarray(record.engine.output_ids, dtype=np.int32)
         return self._encode(record.output)

@@ -58,7 +58,7 @@ def train_gate(features: np.ndarray, labels: np.ndarray, workload: np.ndarray, c
     """Fit a gate of ``config.kind`` on rows that carry a cache draft (draft lengths are read from
     the features' draft_len column); returns the trained torch module (eval mode).
 
-    A column constant over the rows (the engine's signals, when every trace is text-only; a workload
+    A column constant over the rows (`on_policy`, when every trace is text-only; a workload
     absent from the traces) gets first-layer weights of 0: training never moved them (its
     standardised value is 0 in every row), and a value served later must not meet random weights.
     The online learner then learns them from live labels."""
