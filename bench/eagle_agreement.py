@@ -45,7 +45,6 @@ from predictor.replay.trace_replay import ReplayResult, first_draft_tokens  # no
 from predictor.replay.trace_replay_cache import cached_replay  # noqa: E402
 
 SETTINGS = (("gpu-8b", 1), ("gpu-8b", 8), ("cpu-smollm2", 1), ("cpu-smollm2", 8))
-HEAD_COLUMNS = ("agree", "top1_prob", "p_cache")
 CACHE = Path(__file__).resolve().parents[1] / "var" / "eagle-agreement"
 
 
@@ -108,7 +107,8 @@ def head_view(records: list[TraceRecord], rp: ReplayResult, first: np.ndarray, c
 def cached_head_view(records, rp, first, context: int) -> dict[str, np.ndarray]:
     """head_view, kept in var/eagle-agreement by what it depends on (the records' token ids, the head
     and the target, the window)."""
-    h = hashlib.sha256(repr([context, first.tolist()[:50], rp.rows, [r.trace_id for r in records]]).encode())
+    h = hashlib.sha256(repr([context, rp.rows, [r.trace_id for r in records]]).encode())
+    h.update(first.astype(np.int32).tobytes())
     for path in (ve.EAGLE_HEAD / "model.safetensors", ve.MODEL_FP32 / "model.safetensors"):
         h.update(str(path.stat().st_size).encode())
     path = CACHE / f"head-{h.hexdigest()[:16]}.npz"

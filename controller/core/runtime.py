@@ -458,14 +458,14 @@ class Runtime:
         """Refuse a bad request before the step changes anything."""
         if inp.verified is not None and inp.verified < 0:
             raise RequestInputError(f"request {inp.req_id!r}: verified must be >= 0, got {inp.verified}")
-        if not isinstance(inp.on_policy, (bool, np.bool_)):
-            raise RequestInputError(f"request {inp.req_id!r}: on_policy must be a bool, got {inp.on_policy!r}")
         if inp.req_id in self.requests:
             return
         if inp.prompt is None:
             raise RequestInputError(f"request {inp.req_id!r} seen for the first time without its prompt")
         if inp.workload not in WORKLOADS:
             raise RequestInputError(f"request {inp.req_id!r}: unknown workload {inp.workload!r}; known: {WORKLOADS}")
+        if not isinstance(inp.on_policy, (bool, np.bool_)):  # read, like the prompt, only when first seen
+            raise RequestInputError(f"request {inp.req_id!r}: on_policy must be a bool, got {inp.on_policy!r}")
 
     def _observe(self, inp: RequestInput, rows: "_StepDrafts", shadow: bool) -> RequestState:
         """Take in the tokens the request emitted since the last step and label the drafts they
