@@ -63,6 +63,10 @@ class SpecRun:
     # Streamed runs: per request, (output tokens - 1) / (seconds after its first token), the median
     # over requests: decoding timed apart from prefill.
     decode_tps: float | None = None
+    # Streamed runs, pooled: every request's tokens after the first over all their seconds after the
+    # first. Each request weighs by the time it decodes, so the slow ones count (the median is one
+    # middle request's rate); at concurrency 1 it is the server's decoding throughput.
+    decode_pooled_tps: float | None = None
 
     def __post_init__(self) -> None:
         if self.tokens <= 0 or self.seconds <= 0:
@@ -95,11 +99,22 @@ class SpecRun:
 
     def raw(self) -> str:
         decode = "" if self.decode_tps is None else f", decode {self.decode_tps:.2f} tok/s per request"
+        if self.decode_pooled_tps is not None:
+            decode += f" ({self.decode_pooled_tps:.2f} pooled)"
         return (f"{self.tokens} tok/{self.seconds:.2f} s, drafts {self.drafts}, draft tok {self.draft_tokens}, "
                 f"accepted {self.accepted}{decode}")
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def pooled_decode_rate(decoded: Sequence[tuple[int, float]]) -> float | None:
+    """Tokens after the first over seconds after the first, summed over requests ((tokens, seconds)
+    pairs; None for none): the rate of all the decoding a run did, not of its middle request."""
+    seconds = sum(s for _, s in decoded)
+    if not decoded or seconds <= 0:
+        return None
+    return sum(t for t, _ in decoded) / seconds
 
 
 def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:

@@ -64,6 +64,15 @@ def test_spec_run_figures_per_1000_tokens():
     assert run.raw() == "500 tok/10.00 s, drafts 100, draft tok 400, accepted 150"
 
 
+def test_pooled_decode_rate_weighs_requests_by_their_decoding_time():
+    # one fast request and two slow ones: the median request decodes at 10 tok/s, all of them at 40
+    decoded = [(100, 1.0), (10, 1.0), (10, 1.0)]
+    assert measure.pooled_decode_rate(decoded) == 40.0
+    assert measure.pooled_decode_rate([]) is None
+    run = measure.SpecRun(tokens=123, seconds=3.0, decode_tps=10.0, decode_pooled_tps=40.0)
+    assert run.raw().endswith("decode 10.00 tok/s per request (40.00 pooled)")
+
+
 def test_spec_run_refuses_impossible_counts():
     with pytest.raises(ValueError, match="tokens > 0"):
         measure.SpecRun(tokens=0, seconds=1.0)
