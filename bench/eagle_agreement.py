@@ -41,7 +41,7 @@ from predictor.data.traces import TraceRecord, load_traces, onpolicy_traces_path
 from predictor.decision.profiles import cost_profiles, drafter_profiles  # noqa: E402
 from predictor.evaluation.gate_quality import auc  # noqa: E402
 from predictor.evaluation.simulator import SimInput, Simulator, model_accepted  # noqa: E402
-from predictor.replay.trace_replay import ReplayResult, first_draft_tokens  # noqa: E402
+from predictor.replay.trace_replay import ReplayResult  # noqa: E402
 from predictor.replay.trace_replay_cache import cached_replay  # noqa: E402
 
 SETTINGS = (("gpu-8b", 1), ("gpu-8b", 8), ("cpu-smollm2", 1), ("cpu-smollm2", 8))
@@ -159,9 +159,7 @@ def main() -> None:
     held = held[: args.rows]
     tokenizer = TraceTokenizer()
     rp = cached_replay(held, tokenizer)
-    first = first_draft_tokens(held, tokenizer)
-    if len(first) != rp.rows or not np.array_equal(first >= 0, rp.draft_len > 0):
-        raise RuntimeError("the replay's drafts and their first tokens do not line up")
+    first = rp.first_token
     view = cached_head_view(held, rp, first, args.context)
     data = build_dataset([bundled_traces_path(), onpolicy_traces_path("train")], seed=args.seed, log=lambda _: None)
     gate = train_variant(data, ON_POLICY, TrainConfig(seed=args.seed), CACHE.parent / "scenario-signals" / "gates", print)

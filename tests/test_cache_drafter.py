@@ -14,7 +14,7 @@ from predictor.data.traces import bundled_traces_path, parse_record
 from predictor.drafting.cache_drafter import TREE_GLOBAL, TREE_NONE, TREE_PROMPT, CacheDrafter, SuffixConfig
 from predictor.drafting.common_prefix import lcp
 from predictor.drafting.features import NUM_FEATURES
-from predictor.replay.trace_replay import first_draft_tokens, replay
+from predictor.replay.trace_replay import replay
 
 PHRASE = [101, 102, 103, 104, 105, 106, 107, 108]
 
@@ -210,7 +210,7 @@ def test_replay_labels_are_lcp_against_the_realised_output(small_records, tokeni
     records = small_records[:3]  # one deployment
     assert len({(r.source, r.model, r.run) for r in records}) == 1
     result = replay(records, tokenizer)
-    first = first_draft_tokens(records, tokenizer)
+    first = result.first_token
     assert len(first) == result.rows
     drafter = CacheDrafter()
     checked = 0

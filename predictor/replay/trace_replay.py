@@ -44,6 +44,10 @@ class ReplayResult:
     token_probs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
     output_len: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     workload: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int8))  # per trace
+    # int32 per row: the draft's first token id, -1 without a draft (the only draft token kept: the
+    # rest would dwarf the other arrays); what compares drafts with another drafter's reads
+    # (bench/eagle_agreement.py)
+    first_token: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
 
     @property
     def rows(self) -> int:
@@ -68,37 +72,24 @@ def replay(
     progress: ProgressFn | None = None,
 ) -> ReplayResult:
     """Replay `records` (in arrival order) and label every output position."""
-    parts = list(_replayed(records, tokenizer, config, progress))
-    output_len = np.zeros(len(records), dtype=np.int32)
-    for p in parts:
-        output_len[p.trace] = p.output_len
-    workload = np.array([WORKLOADS.index(r.workload) for r in records], dtype=np.int8)
-    return _concat(parts, list(records), output_len, workload)
-
-
-def first_draft_tokens(records: Sequence[TraceRecord], tokenizer: TraceTokenizer,
-                       config: SuffixConfig | None = None) -> np.ndarray:
-    """Per row of `replay(records, ...)`, in its order, the draft's first token id (-1: no draft).
-    The replay keeps no draft tokens (they would dwarf its other arrays); what compares drafts with
-    another drafter's (bench/eagle_agreement.py) replays again for them."""
-    parts = [p.first_token for p in _replayed(records, tokenizer, config, None)]
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-
-
-def _replayed(records: Sequence[TraceRecord], tokenizer: TraceTokenizer, config: SuffixConfig | None,
-              progress: ProgressFn | None) -> Iterable[_TraceRows]:
-    """Each record's rows, deployment by deployment (one cache per deployment), records in arrival order."""
     config = config or SuffixConfig()
     index = {id(r): i for i, r in enumerate(records)}
+    parts: list[_TraceRows] = []
+    output_len = np.zeros(len(records), dtype=np.int32)
     done = 0
     for group in deployments(records).values():
         drafter = CacheDrafter(config)
         for record in group:
-            yield _replay_one(drafter, record, index[id(record)], tokenizer)
+            i = index[id(record)]
+            rows = _replay_one(drafter, record, i, tokenizer)
+            output_len[i] = rows.output_len
+            parts.append(rows)
             done += 1
             if progress is not None:
                 progress(done, len(records))
         tokenizer.clear_cache()
+    workload = np.array([WORKLOADS.index(r.workload) for r in records], dtype=np.int8)
+    return _concat(parts, list(records), output_len, workload)
 
 
 @dataclass
@@ -165,5 +156,6 @@ def _concat(parts: list[_TraceRows], records: list[TraceRecord], output_len: np.
         records=records,
         token_probs=cat("token_probs", np.float32),
         output_len=output_len,
+        first_token=cat("first_token", np.int32),
         workload=workload,
     )
