@@ -290,14 +290,11 @@ def _targets(med: dict[str, dict[str, float]], size: int) -> None:
     for m in ("hvd-binary", "hvd-none"):
         if m in med:
             print(f"  {m} / best other ({best}): {med[m]['tokens_per_s'] / others[best]:.3f}")
-    if "suffix" in med and "decode_tps" in med["hvd"] and "decode_tps" in med["suffix"]:
-        ratio = med["hvd"]["decode_tps"] / med["suffix"]["decode_tps"]
-        goal = DECODE_GOALS.get(size)
-        print(f"  hvd / suffix, decode tokens/s per request (streamed, apart from prefill): {ratio:.3f}"
-              + ("" if goal is None else f"  (target >= {goal:.2f}: {verdict(ratio, goal)})"))
-        if "decode_pooled_tps" in med["hvd"] and "decode_pooled_tps" in med["suffix"]:
-            ratio = med["hvd"]["decode_pooled_tps"] / med["suffix"]["decode_pooled_tps"]
-            print(f"  hvd / suffix, decode tokens/s pooled over requests: {ratio:.3f}"
+    goal = DECODE_GOALS.get(size)
+    for key, what in (("decode_tps", "per request (streamed, apart from prefill)"), ("decode_pooled_tps", "pooled over requests")):
+        if "suffix" in med and key in med["hvd"] and key in med["suffix"]:
+            ratio = med["hvd"][key] / med["suffix"][key]
+            print(f"  hvd / suffix, decode tokens/s {what}: {ratio:.3f}"
                   + ("" if goal is None else f"  (target >= {goal:.2f}: {verdict(ratio, goal)})"))
     key = "decode_tps" if "decode_tps" in med["hvd"] else "tokens_per_s"
     for m in ve.RIVAL_METHODS:  # issue 29: HVD at least as fast as every competitor's rule
