@@ -1,25 +1,31 @@
 """What the EAGLE3 head's agreement with the cache draft would tell the gate, measured before building it.
 
-Issue 30's other engine signal: in a step where EAGLE3 runs, its first draft token and probability,
-and whether they agree with the cache draft's. This measures what that would buy on the recorded
-held-out sessions (data/onpolicy-held-out.jsonl.xz, SmolLM2's own answers), offline:
+Issue 30's other engine signal: in a step where EAGLE3 runs, its draft tokens and probabilities, and
+the length over which its draft equals the cache draft. This measures what that would buy on the
+recorded held-out sessions (data/onpolicy-held-out.jsonl.xz, SmolLM2's own answers), offline:
 
 1. The committed head (fp32, teacher-forced over the fp32 target's hidden states of prompt and
    answer, the head's window the last --context prompt tokens as it was trained) gives, at every
-   answer position t, the first token vLLM's proposer would draft right after the target emitted
-   output[t-1] (its input: that token with the target's states at the position before), that
-   token's probability, and the probability it gives the cache draft's first token there. The
-   alignment is printed: the head's token equals output[t] about as often as its served
-   position-1 acceptance (docs/results/eagle3.md), and far less often shifted by one.
+   answer position t, the 3-token draft vLLM's proposer would make right after the target emitted
+   output[t-1] (its first input: that token with the target's states at the position before; then
+   its own tokens and states, the test-time steps serving runs), its top-1 probability at each
+   position, and the probability it gives the cache draft's first token there. The replay keeps
+   each cache draft's first 3 tokens (ReplayResult.lead_tokens), so the agreement length (0-3) is
+   exact. The alignment is printed: the head's first token equals output[t] about as often as its
+   served position-1 acceptance (docs/results/eagle3.md), and far less often shifted by one.
 2. The shipped gate (the on-policy warm start of `hvd scenario signals`, trained or read from
-   var/scenario-signals/gates) scores the same drafts. A logistic regression on [logit S(1),
-   agreement, the head's top-1 probability, its probability of the cache token], fitted on half the
-   sessions and scored on the other half (both ways), replaces the gate's S(1); the curve past the
-   first token keeps the gate's conditional survival, S'(j) = S(j) * p' / S(1).
-3. The simulator's allocator (the runtime's code) serves the held-out sessions with S, with S' and
-   with S' priced at one head call per engine step (an upper bound on what running the head before
-   every decision costs: steps that drafted with the model ran it anyway), beside a perfect
-   first-token predictor and the perfect predictor; headroom recovered = (gate - x) / (gate - perfect).
+   var/scenario-signals/gates) scores the same drafts. Its curve is read as conditional rates,
+   S(j) / S(j-1); at positions 1 (first token) or 1-3 (the head's whole draft) a logistic
+   regression on [logit of the gate's rate, agreement up to j, the head's top-1 probability at j,
+   both together, (j = 1) its probability of the cache token], fitted on the drafts that reached j
+   in half the sessions and scored on the other half (both ways), replaces the gate's rate; the
+   curve past those positions keeps the gate's rates. AUC at accepted >= 1, 2, 3 and
+   precision/recall at >= 6 are printed for the gate and both variants.
+3. The simulator's allocator (the runtime's code) serves the held-out sessions with each curve,
+   free and priced at one head call of 1 or 3 positions per engine step (an upper bound on what
+   running the head before every decision costs: steps that drafted with the model ran it anyway),
+   beside perfect predictors of the first token, of the first 3 tokens, and of the whole length;
+   headroom recovered = (gate - x) / (gate - perfect).
 
     python bench/eagle_agreement.py [--rows N] [--context 128] [--seed 0]
 """
@@ -41,17 +47,18 @@ from predictor.data.traces import TraceRecord, load_traces, onpolicy_traces_path
 from predictor.decision.profiles import cost_profiles, drafter_profiles  # noqa: E402
 from predictor.evaluation.gate_quality import auc  # noqa: E402
 from predictor.evaluation.simulator import SimInput, Simulator, model_accepted  # noqa: E402
-from predictor.replay.trace_replay import ReplayResult  # noqa: E402
+from predictor.replay.trace_replay import LEAD_TOKENS, ReplayResult  # noqa: E402
 from predictor.replay.trace_replay_cache import cached_replay  # noqa: E402
 
 SETTINGS = (("gpu-8b", 1), ("gpu-8b", 8), ("cpu-smollm2", 1), ("cpu-smollm2", 8))
 CACHE = Path(__file__).resolve().parents[1] / "var" / "eagle-agreement"
 
 
-def head_view(records: list[TraceRecord], rp: ReplayResult, first: np.ndarray, context: int) -> dict[str, np.ndarray]:
-    """Per replay row: the head's first token (target id), its probability, the probability it
-    gives the cache draft's first token (0 outside its draft vocabulary), and per answer position
-    whether its token is output[t] (and output[t -/+ 1], the alignment check)."""
+def head_view(records: list[TraceRecord], rp: ReplayResult, context: int) -> dict[str, np.ndarray]:
+    """Per replay row: the head's LEAD_TOKENS-token draft (target ids, test-time steps feeding its own
+    tokens and states as vLLM's proposer does), its top-1 probability at each position, the
+    probability it gives the cache draft's first token (0 outside its draft vocabulary), and per
+    answer position whether its first token is output[t] (and output[t -/+ 1], the alignment check)."""
     import torch
 
     from eagle3_training.generate import Sample
@@ -66,8 +73,9 @@ def head_view(records: list[TraceRecord], rp: ReplayResult, first: np.ndarray, c
     logits: list[torch.Tensor] = []
     model.lm_head.register_forward_hook(lambda module, inputs, out: logits.append(out.detach()))
     tokenizer = TraceTokenizer()
-    out = {name: np.zeros(rp.rows, dtype=np.float32) for name in ("top1", "top1_prob", "p_cache")}
-    hits = np.zeros(3, dtype=np.int64)  # head's token == output[t - 1], output[t], output[t + 1]
+    out = {"head": np.full((rp.rows, LEAD_TOKENS), -1, dtype=np.int32),
+           "head_prob": np.zeros((rp.rows, LEAD_TOKENS), dtype=np.float32), "p_cache": np.zeros(rp.rows, dtype=np.float32)}
+    hits = np.zeros(3, dtype=np.int64)  # head's first token == output[t - 1], output[t], output[t + 1]
     positions = 0
     starts = np.zeros(len(records), dtype=np.int64)  # each trace's rows are contiguous, positions 1..n-1
     traces, first_rows = np.unique(rp.trace, return_index=True)
@@ -84,18 +92,22 @@ def head_view(records: list[TraceRecord], rp: ReplayResult, first: np.ndarray, c
         logits.clear()
         with torch.no_grad():
             states = reader(list(sample.prompt_ids) + list(sample.output_ids))[keep_from:]
-            draft = model(**row_inputs(states, kept), ttt_steps=1)[0][0]
+            drafts = model(**row_inputs(states, kept), ttt_steps=LEAD_TOKENS)
         rows = torch.arange(n - 1) + len(kept) - n - 1  # predicting output[t], t = 1..n-1: row P + t - 2
-        probs = torch.softmax(logits[0][0, rows].float(), dim=-1)
-        top1 = (draft[rows] + d2t[draft[rows]]).numpy()
         at = slice(starts[i], starts[i] + n - 1)
         assert (rp.trace[at] == i).all() and (rp.position[at] == np.arange(1, n)).all()
-        cache = torch.from_numpy(first[at].astype(np.int64))
+        for j in range(LEAD_TOKENS):  # step j predicts output[t + j]
+            d = drafts[j][0][rows]
+            out["head"][at, j] = (d + d2t[d]).numpy()
+            out["head_prob"][at, j] = torch.softmax(logits[j][0, rows].float(), dim=-1).max(-1).values.numpy()
+        probs = torch.softmax(logits[0][0, rows].float(), dim=-1)
+        cache = torch.from_numpy(rp.lead_tokens[at, 0].astype(np.int64))
         index = torch.where(cache >= 0, draft_index[cache.clamp(min=0)], -1)
         known = index >= 0
         p_cache = torch.zeros(n - 1)
         p_cache[known] = probs[torch.arange(n - 1)[known], index[known]]
-        out["top1"][at], out["top1_prob"][at], out["p_cache"][at] = top1, probs.max(-1).values.numpy(), p_cache.numpy()
+        out["p_cache"][at] = p_cache.numpy()
+        top1 = out["head"][at, 0]
         hits += [(top1[1:] == answer[1:-1]).sum(), (top1 == answer[1:]).sum(), (top1[:-1] == answer[2:]).sum()]
         positions += n - 1
         if (i + 1) % 40 == 0:
@@ -104,18 +116,25 @@ def head_view(records: list[TraceRecord], rp: ReplayResult, first: np.ndarray, c
     return out
 
 
-def cached_head_view(records, rp, first, context: int) -> dict[str, np.ndarray]:
+def agreement_length(head: np.ndarray, lead: np.ndarray, draft_len: np.ndarray) -> np.ndarray:
+    """Per row: how many leading tokens the head's draft and the cache draft share (at most the
+    cache draft's length and LEAD_TOKENS)."""
+    same = (head == lead) & (lead >= 0) & (np.arange(head.shape[1]) < np.asarray(draft_len)[:, None])
+    return np.logical_and.accumulate(same, axis=1).sum(axis=1)
+
+
+def cached_head_view(records, rp, context: int) -> dict[str, np.ndarray]:
     """head_view, kept in var/eagle-agreement by what it depends on (the records' token ids, the head
     and the target, the window)."""
-    h = hashlib.sha256(repr([context, rp.rows, [r.trace_id for r in records]]).encode())
-    h.update(first.astype(np.int32).tobytes())
+    h = hashlib.sha256(repr([context, rp.rows, LEAD_TOKENS, [r.trace_id for r in records]]).encode())
+    h.update(rp.lead_tokens.astype(np.int32).tobytes())
     for path in (ve.EAGLE_HEAD / "model.safetensors", ve.MODEL_FP32 / "model.safetensors"):
         h.update(str(path.stat().st_size).encode())
     path = CACHE / f"head-{h.hexdigest()[:16]}.npz"
     if path.exists():
         with np.load(path) as z:
             return {k: z[k] for k in z.files}
-    view = head_view(records, rp, first, context)
+    view = head_view(records, rp, context)
     path.parent.mkdir(parents=True, exist_ok=True)
     np.savez_compressed(path, **view)
     return view
@@ -131,13 +150,36 @@ def logistic(x: np.ndarray, y: np.ndarray, iterations: int = 30, l2: float = 1e-
     return w
 
 
-def cross_fitted(x: np.ndarray, y: np.ndarray, fold: np.ndarray) -> np.ndarray:
-    """P(accepted >= 1) per row from the model fitted on the other fold."""
-    p = np.empty(len(y))
+def cross_fitted(x: np.ndarray, y: np.ndarray, fold: np.ndarray, train: np.ndarray | None = None) -> np.ndarray:
+    """P(y) for every row from the model fitted on the other fold's `train` rows (default: all)."""
+    train = np.ones(len(x), dtype=bool) if train is None else train
+    p = np.empty(len(x))
     for f in (0, 1):
-        w = logistic(x[fold != f], y[fold != f])
+        fit = (fold != f) & train
+        w = logistic(x[fit], y[fit].astype(np.float64))
         p[fold == f] = 1.0 / (1.0 + np.exp(-x[fold == f] @ w))
     return p
+
+
+def logit(p: np.ndarray) -> np.ndarray:
+    p = np.clip(p, 1e-6, 1 - 1e-6)
+    return np.log(p / (1 - p))
+
+
+def with_head(cond: np.ndarray, label: np.ndarray, draft_len: np.ndarray, fold: np.ndarray, agree: np.ndarray,
+              head_prob: np.ndarray, p_cache: np.ndarray, positions: int) -> np.ndarray:
+    """The gate's conditional acceptance rates with the first `positions` re-predicted: at position j a
+    logistic regression on [logit of the gate's rate, the drafts agree up to j, the head's top-1
+    probability at j, both together, (j = 1) the head's probability of the cache token], fitted on
+    the drafts that reached j, cross-fitted by session fold, applied to every draft."""
+    out = cond.copy()
+    ones = np.ones((len(cond), 1))
+    for j in range(positions):
+        agreed = (agree >= j + 1).astype(np.float64)
+        cols = [logit(cond[:, j]), agreed, head_prob[:, j], agreed * head_prob[:, j]] + ([p_cache] if j == 0 else [])
+        reached = (label >= j) & (draft_len >= j + 1)
+        out[:, j] = cross_fitted(np.hstack([np.column_stack(cols), ones]), label >= j + 1, fold, reached)
+    return out
 
 
 def main() -> None:
@@ -152,51 +194,65 @@ def main() -> None:
         parser.error(f"--context must be >= 1, got {args.context}")
     from controller.scenarios.signals import ON_POLICY, train_variant
     from predictor.data.traces import bundled_traces_path
+    from predictor.evaluation.gate_quality import precision_recall
     from predictor.gate.training import TrainConfig
     from predictor.replay.dataset import build_dataset
 
     held, _ = load_traces([onpolicy_traces_path("held-out")])
     held = held[: args.rows]
-    tokenizer = TraceTokenizer()
-    rp = cached_replay(held, tokenizer)
-    first = rp.first_token
-    view = cached_head_view(held, rp, first, args.context)
+    rp = cached_replay(held, TraceTokenizer())
+    view = cached_head_view(held, rp, args.context)
     data = build_dataset([bundled_traces_path(), onpolicy_traces_path("train")], seed=args.seed, log=lambda _: None)
     gate = train_variant(data, ON_POLICY, TrainConfig(seed=args.seed), CACHE.parent / "scenario-signals" / "gates", print)
-    survival = gate.survival(rp.features)
+    survival = gate.survival(rp.features).astype(np.float64)
     has = np.flatnonzero(rp.draft_len > 0)
-    y = (rp.label[has] >= 1).astype(np.float64)
-    s1 = np.clip(survival[has, 0].astype(np.float64), 1e-6, 1 - 1e-6)
-    agree = (view["top1"][has] == first[has]).astype(np.float64)
-    head = np.column_stack([agree, view["top1_prob"][has], view["p_cache"][has]])
+    label, draft_len = rp.label[has].astype(np.int64), rp.draft_len[has].astype(np.int64)
+    lead, head = rp.lead_tokens[has], view["head"][has]
+    agree = agreement_length(head, lead, draft_len)
     sessions = np.array([held[t].session_id for t in rp.trace[has]])
     names = np.unique(sessions)
     fold = dict(zip(names, np.random.default_rng(args.seed).permutation(len(names)) % 2))
     fold = np.array([fold[s] for s in sessions])
-    ones = np.ones((len(y), 1))
-    p_head = cross_fitted(np.hstack([head, ones]), y, fold)
-    p_both = cross_fitted(np.hstack([np.log(s1 / (1 - s1))[:, None], head, ones]), y, fold)
+    s_gate = np.clip(survival[has], 1e-6, 1.0)
+    cond = s_gate / np.concatenate([np.ones((len(has), 1)), s_gate[:, :-1]], axis=1)
+    perfect = (label[:, None] >= np.arange(1, LEAD_TOKENS + 1)).astype(np.float64)
+    conds = {"gate": cond}
+    for name, positions in (("gate + head, first token", 1), (f"gate + head, {LEAD_TOKENS} tokens", LEAD_TOKENS)):
+        conds[name] = with_head(cond, label, draft_len, fold, agree, view["head_prob"][has], view["p_cache"][has], positions)
+    for name, positions in (("perfect first token", 1), (f"perfect first {LEAD_TOKENS} tokens", LEAD_TOKENS)):
+        c = cond.copy()
+        c[:, :positions] = perfect[:, :positions]
+        conds[name] = c
 
     a = view["alignment"]
     print(f"{len(held)} held-out recorded answers, {rp.output_len.sum()} tokens, {len(has)} cache drafts; "
-          f"head fp32 teacher-forced, window {args.context} prompt tokens")
+          f"head fp32 teacher-forced, window {args.context} prompt tokens, {LEAD_TOKENS}-token head drafts")
     print(f"alignment: the head's first token is output[t] at {a[1]:.4f} of positions "
           f"(output[t-1] {a[0]:.4f}, output[t+1] {a[2]:.4f})")
-    agreeing = agree > 0
-    print(f"agreement with the cache draft's first token: {agreeing.mean():.4f} of drafts; P(accepted >= 1) "
-          f"{y[agreeing].mean():.4f} agreeing, {y[~agreeing].mean():.4f} not; all {y.mean():.4f}")
-    print(f"AUC(accepted >= 1): gate S(1) {auc(s1, y > 0):.4f}; the head alone (logistic, cross-fitted) "
-          f"{auc(p_head, y > 0):.4f}; gate and head {auc(p_both, y > 0):.4f}")
-    curves = {"gate": survival}
-    for name, p1 in (("gate + head", p_both), ("gate + perfect first token", y)):
+    for k in range(1, LEAD_TOKENS + 1):
+        at = agree == k if k < LEAD_TOKENS else agree >= k
+        print(f"  drafts agreeing on exactly {k}{'+' if k == LEAD_TOKENS else ''} leading token(s): {at.mean():.4f}; "
+              f"their mean accepted {label[at].mean() if at.any() else float('nan'):.2f} "
+              f"(P(accepted >= {k}) {(label[at] >= k).mean() if at.any() else float('nan'):.4f})")
+    print(f"  drafts agreeing on none: {(agree == 0).mean():.4f}; their mean accepted {label[agree == 0].mean():.2f}")
+    curves = {}
+    for name, c in conds.items():
         s = survival.copy()
-        s[has] = np.minimum(survival[has] * (np.clip(p1, 1e-6, 1.0) / s1)[:, None], 1.0)
+        s[has] = np.cumprod(c, axis=1)
         curves[name] = s
+    print("gate quality on the cache drafts (head variants cross-fitted by session):")
+    for name in list(conds)[:3]:
+        s = curves[name][has]
+        aucs = " ".join(f"AUC(>= {j}) {auc(s[:, j - 1], label >= j):.4f}" for j in range(1, LEAD_TOKENS + 1))
+        p, r = precision_recall(s.sum(axis=1), label)
+        print(f"  {name:28s} {aucs}  P/R at >= 6 {p:.3f}/{r:.3f}")
     drafter = drafter_profiles()["eagle3-smollm2"]
     model_acc = model_accepted(rp.rows, drafter, args.seed, rp.workload[rp.trace])
     traces = np.unique(rp.trace)
     print(f"simulated ms per 1k tokens, the allocator on the held-out sessions (EAGLE3 simulated: {drafter.name}); "
-          "in brackets: the perfect predictor's headroom recovered")
+          "in brackets: the perfect predictor's headroom recovered; 'paid': the head run before every decision, "
+          "priced as a head call of that many positions in every step")
+    paid = {"gate + head, first token": 1, f"gate + head, {LEAD_TOKENS} tokens": LEAD_TOKENS}
     for cost_name, batch in SETTINGS:
         cost = cost_profiles()[cost_name]
         figures: dict[str, float] = {}
@@ -207,14 +263,15 @@ def main() -> None:
                                      survival=s), drafter, model_acc)
             tally = sim.lanes("hvd", cost, batch, traces)
             figures[name] = tally.ms_per_1k
-            if name == "gate + head":
-                head_call = cost.step_ms(batch, batch, 1) - cost.step_ms(batch, batch, 0)
-                figures["gate + head, head run every step"] = tally.ms_per_1k + head_call * tally.cycles_per_1k
+            if name in paid:
+                head_call = cost.step_ms(batch, batch, paid[name]) - cost.step_ms(batch, batch, 0)
+                figures[name + ", paid"] = tally.ms_per_1k + head_call * tally.cycles_per_1k
             if name == "gate":
                 figures["perfect predictor"] = sim.lanes("oracle-length", cost, batch, traces).ms_per_1k
         room = figures["gate"] - figures["perfect predictor"]
-        print(f"  {cost_name} b{batch}: " + "; ".join(
-            f"{k} {v:.1f} [{(figures['gate'] - v) / room:+.1%}]" for k, v in figures.items()))
+        print(f"  {cost_name} b{batch}:")
+        for k, v in figures.items():
+            print(f"    {k:36s} {v:9.1f} [{(figures['gate'] - v) / room:+.1%}]")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,32 @@ def test_agreement_logistic_recovers_its_coefficients_and_cross_fits():
     np.testing.assert_allclose(p[fold == 0], p_fold0)  # each half scored by the model of the other
 
 
+def test_agreement_cross_fit_learns_only_from_its_training_rows():
+    rng = np.random.default_rng(1)
+    x = np.column_stack([rng.normal(size=4000), np.ones(4000)])
+    y = (rng.random(4000) < 1 / (1 + np.exp(-2.0 * x[:, 0]))).astype(np.float64)
+    train = np.arange(4000) % 4 != 0
+    y_spoilt = np.where(train, y, 1.0 - y)  # labels outside `train` must not be read
+    fold = np.arange(4000) % 2
+    np.testing.assert_allclose(eagle_agreement.cross_fitted(x, y_spoilt, fold, train),
+                               eagle_agreement.cross_fitted(x, y, fold, train))
+
+
+@given(st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=3, max_size=3),
+                          st.lists(st.integers(-1, 3), min_size=3, max_size=3), st.integers(0, 5)),
+                min_size=1, max_size=20))
+def test_agreement_length_is_the_shared_lead_within_the_cache_draft(rows):
+    head = np.array([h for h, _, _ in rows], dtype=np.int32)
+    lead = np.array([c for _, c, _ in rows], dtype=np.int32)
+    draft_len = np.array([n for _, _, n in rows])
+    got = eagle_agreement.agreement_length(head, lead, draft_len)
+    for i, (h, c, n) in enumerate(rows):
+        k = 0
+        while k < min(n, 3) and c[k] >= 0 and h[k] == c[k]:
+            k += 1
+        assert got[i] == k
+
+
 def test_rotations_refuse_no_repetitions():
     with pytest.raises(ValueError, match="reps must be >= 1"):
         measure.rotations([1, 2], 0)

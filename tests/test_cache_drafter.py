@@ -14,7 +14,7 @@ from predictor.data.traces import bundled_traces_path, parse_record
 from predictor.drafting.cache_drafter import TREE_GLOBAL, TREE_NONE, TREE_PROMPT, CacheDrafter, SuffixConfig
 from predictor.drafting.common_prefix import lcp
 from predictor.drafting.features import NUM_FEATURES
-from predictor.replay.trace_replay import replay
+from predictor.replay.trace_replay import LEAD_TOKENS, replay
 
 PHRASE = [101, 102, 103, 104, 105, 106, 107, 108]
 
@@ -210,8 +210,8 @@ def test_replay_labels_are_lcp_against_the_realised_output(small_records, tokeni
     records = small_records[:3]  # one deployment
     assert len({(r.source, r.model, r.run) for r in records}) == 1
     result = replay(records, tokenizer)
-    first = result.first_token
-    assert len(first) == result.rows
+    lead = result.lead_tokens
+    assert lead.shape == (result.rows, LEAD_TOKENS)
     drafter = CacheDrafter()
     checked = 0
     for i, record in enumerate(records):
@@ -228,7 +228,8 @@ def test_replay_labels_are_lcp_against_the_realised_output(small_records, tokeni
             assert result.draft_len[row] == d.length
             assert result.label[row] == lcp(d.token_ids, out[t:].tolist())
             assert result.score[row] == pytest.approx(d.score, abs=1e-6)
-            assert first[row] == (d.token_ids[0] if d.length else -1)
+            head = list(d.token_ids[:LEAD_TOKENS])
+            assert lead[row].tolist() == head + [-1] * (LEAD_TOKENS - len(head))
             checked += d.length > 0
         drafter.extend(f"hand{i}", seq[-1:])
         drafter.stop(f"hand{i}")

@@ -24,6 +24,9 @@ from predictor.drafting.hindsight import Hindsight
 from predictor.drafting.token_classes import token_classes
 from storage.workloads import WORKLOADS
 
+# Draft tokens kept per row: as many as the model drafter drafts (vllm_engine.MODEL_DRAFT_LEN).
+LEAD_TOKENS = 3
+
 ProgressFn = Callable[[int, int], None]
 
 
@@ -44,10 +47,10 @@ class ReplayResult:
     token_probs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
     output_len: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     workload: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int8))  # per trace
-    # int32 per row: the draft's first token id, -1 without a draft (the only draft token kept: the
-    # rest would dwarf the other arrays); what compares drafts with another drafter's reads
-    # (bench/eagle_agreement.py)
-    first_token: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    # int32 (rows, LEAD_TOKENS): the draft's first LEAD_TOKENS token ids, -1 past its end (only the
+    # lead is kept: whole drafts would dwarf the other arrays); what compares drafts with another
+    # drafter's, whose drafts are no longer (bench/eagle_agreement.py), reads
+    lead_tokens: np.ndarray = field(default_factory=lambda: np.zeros((0, LEAD_TOKENS), dtype=np.int32))
 
     @property
     def rows(self) -> int:
@@ -102,7 +105,7 @@ class _TraceRows:
     score: np.ndarray
     features: np.ndarray
     token_probs: np.ndarray
-    first_token: np.ndarray  # int32 per row: the draft's first token id, -1 without one
+    lead_tokens: np.ndarray  # int32 (rows, LEAD_TOKENS): the draft's first tokens, -1 past its end
 
 
 def _replay_one(drafter: CacheDrafter, record: TraceRecord, trace: int, tokenizer: TraceTokenizer) -> _TraceRows:
@@ -135,8 +138,16 @@ def _replay_one(drafter: CacheDrafter, record: TraceRecord, trace: int, tokenize
                       np.fromiter((d.score for d in drafts), dtype=np.float32, count=len(drafts)),
                       feature_matrix(rows, token_classes(tokenizer)),
                       np.fromiter((p for d in drafts for p in d.probs), dtype=np.float32),
-                      np.fromiter((d.token_ids[0] if d.token_ids else -1 for d in drafts), dtype=np.int32,
-                                  count=len(drafts)))
+                      lead_tokens([d.token_ids for d in drafts]))
+
+
+def lead_tokens(drafts: Sequence[Sequence[int]]) -> np.ndarray:
+    """(len(drafts), LEAD_TOKENS) int32: each draft's first LEAD_TOKENS token ids, -1 past its end."""
+    out = np.full((len(drafts), LEAD_TOKENS), -1, dtype=np.int32)
+    for i, d in enumerate(drafts):
+        head = d[:LEAD_TOKENS]
+        out[i, : len(head)] = head
+    return out
 
 
 def _concat(parts: list[_TraceRows], records: list[TraceRecord], output_len: np.ndarray,
@@ -156,6 +167,6 @@ def _concat(parts: list[_TraceRows], records: list[TraceRecord], output_len: np.
         records=records,
         token_probs=cat("token_probs", np.float32),
         output_len=output_len,
-        first_token=cat("first_token", np.int32),
+        lead_tokens=cat("lead_tokens", np.int32, (0, LEAD_TOKENS)),
         workload=workload,
     )
