@@ -47,9 +47,9 @@ class ReplayResult:
     token_probs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
     output_len: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     workload: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int8))  # per trace
-    # int32 (rows, LEAD_TOKENS): the draft's first LEAD_TOKENS token ids, -1 past its end (only the
-    # lead is kept: whole drafts would dwarf the other arrays); what compares drafts with another
-    # drafter's, whose drafts are no longer (bench/eagle_agreement.py), reads
+    # int32 (rows, LEAD_TOKENS): the draft's first LEAD_TOKENS token ids, -1 past its end. Only the
+    # lead is kept (whole drafts would dwarf the other arrays): enough to compare each draft with the
+    # model drafter's, which is no longer (bench/eagle_agreement.py)
     lead_tokens: np.ndarray = field(default_factory=lambda: np.zeros((0, LEAD_TOKENS), dtype=np.int32))
 
     @property
@@ -145,8 +145,8 @@ def lead_tokens(drafts: Sequence[Sequence[int]]) -> np.ndarray:
     """(len(drafts), LEAD_TOKENS) int32: each draft's first LEAD_TOKENS token ids, -1 past its end."""
     out = np.full((len(drafts), LEAD_TOKENS), -1, dtype=np.int32)
     for i, d in enumerate(drafts):
-        head = d[:LEAD_TOKENS]
-        out[i, : len(head)] = head
+        lead = d[:LEAD_TOKENS]
+        out[i, : len(lead)] = lead
     return out
 
 
