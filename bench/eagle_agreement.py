@@ -96,16 +96,16 @@ def head_view(records: list[TraceRecord], rp: ReplayResult, context: int) -> dic
         rows = torch.arange(n - 1) + len(kept) - n - 1  # predicting output[t], t = 1..n-1: row P + t - 2
         at = slice(starts[i], starts[i] + n - 1)
         assert (rp.trace[at] == i).all() and (rp.position[at] == np.arange(1, n)).all()
+        probs = [torch.softmax(step[0, rows].float(), dim=-1) for step in logits]  # one per test-time step
         for j in range(LEAD_TOKENS):  # step j predicts output[t + j]
             d = drafts[j][0][rows]
             out["head"][at, j] = (d + d2t[d]).numpy()
-            out["head_prob"][at, j] = torch.softmax(logits[j][0, rows].float(), dim=-1).max(-1).values.numpy()
-        probs = torch.softmax(logits[0][0, rows].float(), dim=-1)
+            out["head_prob"][at, j] = probs[j].max(-1).values.numpy()
         cache = torch.from_numpy(rp.lead_tokens[at, 0].astype(np.int64))
         index = torch.where(cache >= 0, draft_index[cache.clamp(min=0)], -1)
         known = index >= 0
         p_cache = torch.zeros(n - 1)
-        p_cache[known] = probs[torch.arange(n - 1)[known], index[known]]
+        p_cache[known] = probs[0][torch.arange(n - 1)[known], index[known]]
         out["p_cache"][at] = p_cache.numpy()
         top1 = out["head"][at, 0]
         hits += [(top1[1:] == answer[1:-1]).sum(), (top1 == answer[1:]).sum(), (top1[:-1] == answer[2:]).sum()]
@@ -229,12 +229,11 @@ def main() -> None:
           f"head fp32 teacher-forced, window {args.context} prompt tokens, {LEAD_TOKENS}-token head drafts")
     print(f"alignment: the head's first token is output[t] at {a[1]:.4f} of positions "
           f"(output[t-1] {a[0]:.4f}, output[t+1] {a[2]:.4f})")
-    for k in range(1, LEAD_TOKENS + 1):
-        at = agree == k if k < LEAD_TOKENS else agree >= k
-        print(f"  drafts agreeing on exactly {k}{'+' if k == LEAD_TOKENS else ''} leading token(s): {at.mean():.4f}; "
-              f"their mean accepted {label[at].mean() if at.any() else float('nan'):.2f} "
-              f"(P(accepted >= {k}) {(label[at] >= k).mean() if at.any() else float('nan'):.4f})")
-    print(f"  drafts agreeing on none: {(agree == 0).mean():.4f}; their mean accepted {label[agree == 0].mean():.2f}")
+    for k in range(LEAD_TOKENS + 1):  # agreement_length stops at LEAD_TOKENS
+        at = agree == k
+        if at.any():
+            print(f"  drafts agreeing on exactly {k} leading token(s): {at.mean():.4f}; their mean accepted "
+                  f"{label[at].mean():.2f} (P(accepted >= {max(k, 1)}) {(label[at] >= max(k, 1)).mean():.4f})")
     curves = {}
     for name, c in conds.items():
         s = survival.copy()

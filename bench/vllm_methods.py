@@ -183,7 +183,7 @@ def drive(port: int, prompts: list[tuple[str, list[int]]], concurrency: int, max
 
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=1800, max_retries=0)
 
-    def one(item: tuple[str, list[int]], n: int = max_tokens) -> tuple[int, float | None, tuple[int, float] | None]:
+    def one(item: tuple[str, list[int]], n: int = max_tokens) -> tuple[int, tuple[int, float] | None]:
         workload, ids = item
         stream = client.completions.create(model=model, prompt=ids, max_tokens=n, temperature=0.0, stream=True,
                                            stream_options={"include_usage": True},
@@ -196,8 +196,8 @@ def drive(port: int, prompts: list[tuple[str, list[int]]], concurrency: int, max
                 tokens = chunk.usage.completion_tokens
         end = time.perf_counter()
         if first is None or not tokens or tokens < 2 or end <= first:
-            return tokens or 0, None, None
-        return tokens, (tokens - 1) / (end - first), (tokens - 1, end - first)
+            return tokens or 0, None
+        return tokens, (tokens - 1, end - first)  # decoding: tokens and seconds after the first
 
     one((prompts[0][0], prompts[0][1][-64:]), 4)  # warm-up
     before = _scrape(port)
@@ -205,10 +205,9 @@ def drive(port: int, prompts: list[tuple[str, list[int]]], concurrency: int, max
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         done = list(pool.map(one, prompts))
     seconds = time.perf_counter() - start
-    run = run_from(sum(t for t, _, _ in done), seconds, counter_deltas(before, _scrape(port)))
-    rates = [r for _, r, _ in done if r is not None]
-    decoded = [d for _, _, d in done if d is not None]
-    return replace(run, decode_tps=statistics.median(rates) if rates else None,
+    run = run_from(sum(t for t, _ in done), seconds, counter_deltas(before, _scrape(port)))
+    decoded = [d for _, d in done if d is not None]
+    return replace(run, decode_tps=statistics.median([t / s for t, s in decoded]) if decoded else None,
                    decode_pooled_tps=pooled_decode_rate(decoded))
 
 

@@ -228,8 +228,8 @@ def test_replay_labels_are_lcp_against_the_realised_output(small_records, tokeni
             assert result.draft_len[row] == d.length
             assert result.label[row] == lcp(d.token_ids, out[t:].tolist())
             assert result.score[row] == pytest.approx(d.score, abs=1e-6)
-            head = list(d.token_ids[:LEAD_TOKENS])
-            assert lead[row].tolist() == head + [-1] * (LEAD_TOKENS - len(head))
+            first = list(d.token_ids[:LEAD_TOKENS])
+            assert lead[row].tolist() == first + [-1] * (LEAD_TOKENS - len(first))
             checked += d.length > 0
         drafter.extend(f"hand{i}", seq[-1:])
         drafter.stop(f"hand{i}")
