@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TypeVar
 
@@ -67,6 +67,10 @@ class SpecRun:
     # first. Each request weighs by the time it decodes, so the slow ones count (the median is one
     # middle request's rate); at concurrency 1 it is the server's decoding throughput.
     decode_pooled_tps: float | None = None
+    # Served runs: the server's CPU seconds over the run by role (bench/process_cpu.py), and for HVD's
+    # servers the mean milliseconds of a decode step by part (hvd_step_seconds: target, hvd, drafter, rest, total).
+    cpu_seconds: dict[str, float] | None = None
+    step_ms: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         if self.tokens <= 0 or self.seconds <= 0:
@@ -143,6 +147,37 @@ def prometheus_counters(text: str, names: Sequence[str] = SPEC_COUNTERS) -> dict
         if base in wanted:
             out[base] += float(m.group(3))
     return out
+
+
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def prometheus_by_label(text: str, name: str, label: str, where: Mapping[str, str] | None = None) -> dict[str, float]:
+    """The samples of ``name`` summed per value of ``label`` (samples without it are skipped), from a
+    Prometheus text page, only those whose labels include ``where``: e.g. hvd_step_seconds_sum per part
+    of the decode steps."""
+    out: dict[str, float] = {}
+    for line in text.split("\n"):  # the exposition format's lines; a label value may hold any other character
+        m = _SAMPLE.match(line)
+        if not m or m.group(1) != name:
+            continue
+        labels = dict(_LABEL.findall(m.group(2) or ""))
+        if label in labels and all(labels.get(k) == v for k, v in (where or {}).items()):
+            out[labels[label]] = out.get(labels[label], 0.0) + float(m.group(3))
+    return out
+
+
+def step_part_ms(before: str, after: str, metric: str = "hvd_step_seconds", phase: str = "decode") -> dict[str, float] | None:
+    """Mean milliseconds per ``phase`` step of each part of ``metric`` (a histogram labelled by part and
+    phase, every step observing every part) between two /metrics pages; None if no such step was
+    observed between them."""
+    where = {"phase": phase}
+    sums = [prometheus_by_label(page, f"{metric}_sum", "part", where) for page in (before, after)]
+    counts = [prometheus_by_label(page, f"{metric}_count", "part", where) for page in (before, after)]
+    steps = counts[1].get("total", 0.0) - counts[0].get("total", 0.0)
+    if steps <= 0:
+        return None
+    return {part: 1000.0 * (sums[1][part] - sums[0].get(part, 0.0)) / steps for part in sums[1]}
 
 
 def verdict(value: float, goal: float, higher_is_better: bool = True) -> str:

@@ -46,7 +46,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from measure import (SPEC_COUNTERS, SpecRun, counter_deltas, pooled_decode_rate, prometheus_counters,  # noqa: E402
-                     rotations, run_from, spread, verdict)
+                     rotations, run_from, spread, step_part_ms, verdict)
+from process_cpu import ROLES, cpu_delta, group_cpu  # noqa: E402
 
 from controller.engines import vllm_engine as ve  # noqa: E402
 from eagle3_training.corpus import held_out_prompts  # noqa: E402
@@ -164,18 +165,20 @@ def _wait_ready(proc: subprocess.Popen, port: int, log: Path, timeout: float = 6
     raise TimeoutError(f"server on port {port} not ready after {timeout:.0f} s; log {log}")
 
 
-def _scrape(port: int) -> dict[str, float]:
+def _scrape(port: int) -> str:
     import urllib.request
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        return prometheus_counters(r.read().decode())
+        return r.read().decode()
 
 
 def drive(port: int, prompts: list[tuple[str, list[int]]], concurrency: int, max_tokens: int,
-          model: str = "smollm2") -> SpecRun:
+          model: str = "smollm2", pgid: int | None = None) -> SpecRun:
     """Every prompt through the openai client, streamed, `concurrency` requests in flight, greedy;
     tokens from the responses' usage, counters from the server's /metrics. Each request's decode
-    rate is timed apart from its prefill: tokens after the first over the time after the first."""
+    rate is timed apart from its prefill: tokens after the first over the time after the first.
+    With `pgid` (the server's process group) the run's CPU seconds by role come too; from an HVD
+    server, its steps' parts."""
     import statistics
     from concurrent.futures import ThreadPoolExecutor
 
@@ -201,14 +204,19 @@ def drive(port: int, prompts: list[tuple[str, list[int]]], concurrency: int, max
 
     one((prompts[0][0], prompts[0][1][-64:]), 4)  # warm-up
     before = _scrape(port)
+    cpu = None if pgid is None else group_cpu(pgid)
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         done = list(pool.map(one, prompts))
     seconds = time.perf_counter() - start
-    run = run_from(sum(t for t, _ in done), seconds, counter_deltas(before, _scrape(port)))
+    if cpu is not None:
+        cpu = cpu_delta(cpu, group_cpu(pgid))
+    after = _scrape(port)
+    run = run_from(sum(t for t, _ in done), seconds, counter_deltas(prometheus_counters(before),
+                                                                    prometheus_counters(after)))
     decoded = [d for _, d in done if d is not None]
     return replace(run, decode_tps=statistics.median([t / s for t, s in decoded]) if decoded else None,
-                   decode_pooled_tps=pooled_decode_rate(decoded))
+                   decode_pooled_tps=pooled_decode_rate(decoded), cpu_seconds=cpu, step_ms=step_part_ms(before, after))
 
 
 def server_run(method: str, concurrency: int, preload: bool, args: argparse.Namespace,
@@ -221,7 +229,7 @@ def server_run(method: str, concurrency: int, preload: bool, args: argparse.Name
         proc = subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait_ready(proc, port, log)
-        return drive(port, prompts, concurrency, args.max_tokens)
+        return drive(port, prompts, concurrency, args.max_tokens, pgid=proc.pid)  # start_new_session: pgid = pid
     finally:  # the server and its engine process: the session this run started for them
         _signal_group(proc, signal.SIGTERM)
         try:
@@ -270,9 +278,22 @@ def report(title: str, results: dict[tuple[str, bool], list[SpecRun]], methods: 
                 shown += f" pooled {p.fmt()}"
             print(f"  {m:11s} {s.fmt():>24s} {fig['steps']:7.1f} {fig['drafts']:7.1f} {fig['draft_tokens']:9.1f} "
                   f"{fig['accepted']:8.1f} {fig['rejected']:8.1f}{shown}  " + " | ".join(r.raw() for r in runs))
+            _cost_lines(runs)
         medians[tag] = med
         _targets(med, size)
     return medians
+
+
+def _cost_lines(runs: list[SpecRun]) -> None:
+    """A served method's CPU seconds per 1000 output tokens by role, and HVD's steps by part."""
+    cpu = [r for r in runs if r.cpu_seconds is not None]
+    if cpu:
+        print("    CPU seconds per 1000 tokens, median [min-max]: " + "; ".join(
+            f"{role} {spread(1000.0 * r.cpu_seconds[role] / r.tokens for r in cpu).fmt(2)}" for role in ROLES))
+    steps = [r.step_ms for r in runs if r.step_ms]
+    if steps:
+        print("    ms per decode step (hvd_step_seconds), median [min-max]: " + "; ".join(
+            f"{part} {spread(s.get(part, 0.0) for s in steps).fmt(2)}" for part in steps[0]))
 
 
 def _targets(med: dict[str, dict[str, float]], size: int) -> None:

@@ -2,6 +2,7 @@
 targets) and the LD_PRELOAD the vLLM processes start with. No engine runs here."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ import eagle3_train_step  # noqa: E402
 import eagle_agreement  # noqa: E402
 import eagle_overhead  # noqa: E402
 import measure  # noqa: E402
+import process_cpu  # noqa: E402
 import vllm_methods  # noqa: E402
 
 from controller.cli import serve_vllm  # noqa: E402
@@ -119,6 +121,87 @@ def test_prometheus_counters_sum_labels_and_take_total_suffix():
     ])
     assert measure.prometheus_counters(page) == {measure.DRAFTS: 15.0, measure.DRAFT_TOKENS: 40.0,
                                                  measure.ACCEPTED: 11.0}
+
+
+_PART = st.sampled_from(["target", "hvd", "drafter", "rest", "total"])
+
+
+@given(st.dictionaries(_PART, st.floats(0, 1e6, allow_nan=False), min_size=1),
+       st.text(st.characters(blacklist_characters='"\\}\n', blacklist_categories=("Cs",)), max_size=8))
+def test_prometheus_by_label_sums_each_label_value(sums, other):
+    page = "\n".join(
+        ["# TYPE hvd_step_seconds histogram"]
+        + [f'hvd_step_seconds_sum{{part="{part}",replica="{other}"}} {v!r}' for part, v in sums.items()]
+        + [f'hvd_step_seconds_sum{{replica="b",part="{part}"}} 1.5' for part in sums]  # a second series, labels reordered
+        + [f'hvd_step_seconds_count{{part="{part}"}} 99' for part in sums]  # another sample name: not summed
+        + ['hvd_step_seconds_sum{replica="c"} 7'])  # no part: skipped
+    got = measure.prometheus_by_label(page, "hvd_step_seconds_sum", "part")
+    assert got.keys() == sums.keys()
+    for part, v in sums.items():
+        assert got[part] == pytest.approx(v + 1.5)
+    assert measure.prometheus_by_label(page, "hvd_step_seconds_sum", "part", {"replica": "b"}) == dict.fromkeys(sums, 1.5)
+
+
+def test_step_part_ms_is_each_parts_mean_over_the_steps_between_two_pages():
+    def page(steps: int, seconds: dict[str, float]) -> str:
+        return "\n".join([f'hvd_step_seconds_sum{{part="{p}",phase="decode"}} {v}' for p, v in seconds.items()]
+                         + [f'hvd_step_seconds_count{{part="{p}",phase="decode"}} {steps}' for p in seconds]
+                         + [f'hvd_step_seconds_sum{{part="{p}",phase="prefill"}} {100 * steps}' for p in seconds]
+                         + [f'hvd_step_seconds_count{{part="{p}",phase="prefill"}} {steps}' for p in seconds])
+
+    before = page(10, {"target": 0.2, "hvd": 0.01, "total": 0.25})
+    after = page(30, {"target": 0.6, "hvd": 0.02, "total": 0.75})
+    assert measure.step_part_ms(before, after) == pytest.approx({"target": 20.0, "hvd": 0.5, "total": 25.0})
+    assert measure.step_part_ms(before, after, phase="prefill") == pytest.approx({"target": 1e5, "hvd": 1e5, "total": 1e5})
+    assert measure.step_part_ms(before, before) is None  # no step between them
+    assert measure.step_part_ms("", "vllm:spec_decode_num_drafts_total 3") is None  # not an HVD server
+
+
+@given(st.text(st.characters(blacklist_characters="\n\x00", blacklist_categories=("Cs",)), max_size=20),
+       st.integers(0, 2**31), st.integers(0, 2**40), st.integers(0, 2**40))
+def test_proc_stat_parser_reads_past_any_name(comm, pgid, utime, stime):
+    fields = ["S", "1", str(pgid)] + ["0"] * 8 + [str(utime), str(stime)] + ["0"] * 39
+    stat = process_cpu.parse_stat(f"4242 ({comm}) " + " ".join(fields) + "\n")
+    assert stat == process_cpu.TaskStat(comm=comm, pgid=pgid, cpu_ticks=utime + stime)
+
+
+def test_proc_stat_parser_names_what_is_wrong():
+    with pytest.raises(ValueError, match="no '\\(comm\\)'"):
+        process_cpu.parse_stat("4242 S 1 2 3")
+    with pytest.raises(ValueError, match="3 fields after the name"):
+        process_cpu.parse_stat("4242 (python) S 1 2")
+
+
+def test_cpu_roles_put_hvd_threads_apart_from_the_process_they_run_in():
+    assert process_cpu.role("VLLM::Worker", "hvd-event-write") == "hvd threads"
+    assert process_cpu.role("VLLM::Worker", "VLLM::Worker") == "worker"
+    assert process_cpu.role("VLLM::EngineCor", "VLLM::EngineCor") == "engine core"
+    assert process_cpu.role("vllm", "uvloop-worker") == "api server"
+
+
+def test_group_cpu_reads_this_process_group_from_proc():
+    import os
+    import threading
+
+    stop = threading.Event()
+
+    def spin() -> None:
+        from controller.services.lifecycle import name_native_thread
+
+        name_native_thread("hvd-test-spin")
+        while not stop.is_set():
+            sum(range(1000))
+
+    before = process_cpu.group_cpu(os.getpgrp())
+    t = threading.Thread(target=spin)
+    t.start()
+    deadline = time.monotonic() + 10
+    while process_cpu.cpu_delta(before, process_cpu.group_cpu(os.getpgrp()))["hvd threads"] < 0.05:
+        assert time.monotonic() < deadline, "the named thread's CPU never showed up as hvd threads"
+        time.sleep(0.01)
+    stop.set()
+    t.join()
+    assert process_cpu.group_cpu(-1) == dict.fromkeys(process_cpu.ROLES, 0.0)  # no such group: nothing
 
 
 def test_counter_deltas_and_run_from():

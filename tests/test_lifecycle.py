@@ -2,8 +2,11 @@
 then flush, and each service stopping only itself."""
 from __future__ import annotations
 
+import sys
 import threading
+from pathlib import Path
 
+import pytest
 from sqlalchemy import create_engine
 
 from controller.core.events import EventQueue
@@ -52,6 +55,33 @@ def test_a_failing_round_is_counted_and_retried_with_backoff():
     assert (health.name, health.running, health.failures, health.last_error) == ("flaky", True, 2, "down (2)")
     assert service.delays == [0.001, 0.002]  # the second round came after the first backoff
     assert service.stop(5) and service.flushed == 1 and not service.health().running
+
+
+class Named(BackgroundService):
+    """Records the kernel's name of its own thread, read from /proc, in its first round."""
+
+    name = "hvd-event-writer"  # 16 bytes: one more than the kernel keeps
+    run_at_start = True
+
+    def __init__(self) -> None:
+        super().__init__(interval=60.0, max_backoff=60.0)
+        self.seen = ""
+        self.done = threading.Event()
+
+    def round(self) -> float:
+        self.seen = Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
+        self.done.set()
+        return 60.0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="native thread names are read from Linux's /proc")
+def test_a_service_thread_carries_its_name_in_the_kernel_too():
+    before = Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
+    service = Named().start()
+    assert service.done.wait(10)
+    service.stop(5)
+    assert service.seen == "hvd-event-write"  # what `top -H` shows beside the engine's threads
+    assert Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip() == before  # only its own
 
 
 def test_the_event_writer_stops_only_itself(tmp_path):

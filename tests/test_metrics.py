@@ -219,24 +219,32 @@ STEP_EXPECTED = {"target": (2, 0.07, ("0.02", 1)), "hvd": (2, 0.0006, ("0.00025"
 
 def assert_step_seconds(get) -> None:
     for part, (count, total, (le, below)) in STEP_EXPECTED.items():
-        assert get("hvd_step_seconds_count", {"part": part}) == count, part
-        assert get("hvd_step_seconds_sum", {"part": part}) == pytest.approx(total), part
-        assert get("hvd_step_seconds_bucket", {"part": part, "le": le}) == below, part
-        assert get("hvd_step_seconds_bucket", {"part": part, "le": "2.0"}) == count, part
+        decode = {"part": part, "phase": "decode"}
+        assert get("hvd_step_seconds_count", decode) == count, part
+        assert get("hvd_step_seconds_sum", decode) == pytest.approx(total), part
+        assert get("hvd_step_seconds_bucket", {**decode, "le": le}) == below, part
+        assert get("hvd_step_seconds_bucket", {**decode, "le": "2.0"}) == count, part
 
 
 def test_step_seconds_observes_every_part_and_the_total_of_every_step(caplog):
     registry = CollectorRegistry()
     metrics = HvdMetrics(registry)
-    samples = {s.labels["part"] for m in registry.collect() for s in m.samples if m.name == "hvd_step_seconds"}
-    assert samples == {"target", "hvd", "drafter", "rest", "total"}  # every series exists from the start, at 0
+    samples = {(s.labels["part"], s.labels["phase"]) for m in registry.collect() for s in m.samples
+               if m.name == "hvd_step_seconds"}
+    # every series exists from the start, at 0
+    assert samples == {(p, ph) for p in ("target", "hvd", "drafter", "rest", "total") for ph in ("decode", "prefill")}
     for t in STEPS:
-        metrics.step_seconds(t)
+        metrics.step_seconds(t, decode=True)
+    prompt = StepTiming.of(1_700_000_000.4, 2, 900, 0, target=0.8, hvd=0.0003, drafter=0.0, rest=0.01)
+    metrics.step_seconds(prompt, decode=False)  # a step with a prompt chunk: apart from the decode steps
     assert_step_seconds(registry.get_sample_value)
+    prefill = {"part": "target", "phase": "prefill"}
+    assert registry.get_sample_value("hvd_step_seconds_count", prefill) == 1
+    assert registry.get_sample_value("hvd_step_seconds_sum", prefill) == pytest.approx(0.8)
     # the drafter did not run in the second step: it still counts, at 0 (sum / count = its cost per step)
-    assert registry.get_sample_value("hvd_step_seconds_bucket", {"part": "drafter", "le": "0.015"}) == 2
-    metrics.step_seconds(None)  # a broken timing is logged once, never raised into the decode path
-    metrics.step_seconds(None)
+    assert registry.get_sample_value("hvd_step_seconds_bucket", {"part": "drafter", "phase": "decode", "le": "0.015"}) == 2
+    metrics.step_seconds(None, decode=True)  # a broken timing is logged once, never raised into the decode path
+    metrics.step_seconds(None, decode=True)
     assert sum("HVD metrics: timing a step failed" in r.getMessage() for r in caplog.records) == 1
     assert_step_seconds(registry.get_sample_value)
 
@@ -256,7 +264,7 @@ def test_step_seconds_from_two_processes_meet_in_the_multiprocess_folder(tmp_pat
               "from controller.core.step_costs import StepTiming\n"
               "target, hvd, drafter, rest = map(float, sys.argv[1:])\n"
               "HvdMetrics(CollectorRegistry()).step_seconds(StepTiming.of(1_700_000_000.0, 4, 4, 0, "
-              "target=target, hvd=hvd, drafter=drafter, rest=rest))\n")
+              "target=target, hvd=hvd, drafter=drafter, rest=rest), decode=True)\n")
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(tmp_path))
     for t in STEPS:
         subprocess.run([sys.executable, "-c", script, *map(repr, t.parts)], env=env, check=True, timeout=120,

@@ -45,6 +45,7 @@ _log = logging.getLogger("hvd.metrics")
 DEFAULT_MAX_TENANTS = 20
 OTHER_TENANT = "other"
 DRAFTERS = (DRAFTER_CACHE, DRAFTER_MODEL)
+STEP_PHASES = ("decode", "prefill")  # hvd_step_seconds' phase label
 # hvd_step_seconds' buckets, 0.1 ms .. 2 s: HVD's part (0.1-1 ms), GPU steps (5-10 ms) and CPU steps
 # (20-200 ms) each fall across several buckets.
 STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
@@ -123,9 +124,12 @@ class HvdMetrics:
         self.step_time = Histogram(
             "hvd_step_seconds", "Seconds of each engine step by part (part: target = the target model's forward "
             "and sampling, hvd = HVD's runtime, drafter = the model drafter's proposer, rest = everything else, "
-            "total = the whole step); every step observes every part, zero included, so sum / count is the "
-            "part's cost per step", ("part",), buckets=STEP_BUCKETS, registry=registry)
-        self._step_parts = tuple(self.step_time.labels(p) for p in SUMMARY_PARTS)  # PARTS, then "total"
+            "total = the whole step) and phase (decode: every request in the step decoded; prefill: the step "
+            "held a prompt chunk); every step observes every part, zero included, so sum / count is the "
+            "part's cost per step", ("part", "phase"), buckets=STEP_BUCKETS, registry=registry)
+        # PARTS, then "total", per phase
+        self._step_parts = {phase: tuple(self.step_time.labels(p, phase) for p in SUMMARY_PARTS)
+                            for phase in STEP_PHASES}
         # Per-tenant state is capped everywhere; what the caps hold and forget is visible here.
         self.metric_tenants = Gauge(
             "hvd_metric_tenants", f"Tenant names with their own label in this process's hvd_* series (at most "
@@ -253,10 +257,12 @@ class HvdMetrics:
         except Exception:
             self._failure("counting a step")
 
-    def step_seconds(self, timing: StepTiming) -> None:
-        """One engine step's parts and total into hvd_step_seconds."""
+    def step_seconds(self, timing: StepTiming, decode: bool) -> None:
+        """One engine step's parts and total into hvd_step_seconds, under its phase: a step with a prompt
+        chunk costs what the prompt does, so decode steps are kept apart from it."""
         try:
-            for child, seconds in zip(self._step_parts, timing.parts + (timing.total,)):
+            for child, seconds in zip(self._step_parts[STEP_PHASES[0] if decode else STEP_PHASES[1]],
+                                      timing.parts + (timing.total,)):
                 child.observe(seconds)
         except Exception:
             self._failure("timing a step")

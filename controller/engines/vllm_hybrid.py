@@ -225,7 +225,7 @@ class HybridState:
                 return
             t = step.timing
             if self.metrics is not None:
-                self.metrics.step_seconds(t)
+                self.metrics.step_seconds(t, step.decode)
             if self.stack.step_costs is not None:
                 self.stack.step_costs.add(t)
             if self.live_cost is not None and step.decode:
