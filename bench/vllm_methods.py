@@ -25,6 +25,9 @@ client at --concurrency 1 8. Decoding is timed apart from prefill, per request (
 first over the time after the first), and reported two ways: the median request's rate, and the
 rate pooled over requests (all their tokens after the first over all their time after the first),
 which weighs each request by the time it decodes: at concurrency 1 the server's decoding throughput.
+Each served method also gets its server's CPU seconds per 1000 output tokens by process role (the
+API server, vLLM's engine core and worker, HVD's own threads: bench/process_cpu.py) and, from HVD's
+servers, the mean decode step by part (hvd_step_seconds{phase="decode"}: target, hvd, drafter, rest).
 
     python bench/vllm_methods.py [--batches 1 8] [--reps 3] [--max-tokens 192] [--per-workload 8]
     python bench/vllm_methods.py --server [--concurrency 1 8] [--reps 3]
