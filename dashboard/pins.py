@@ -2,9 +2,10 @@
 workload's own `champion/<workload>`, which decides that workload before `champion` does), what
 serves, any pin holding it, and an admin's pin, unpin and roll back.
 
-Every move goes through predictor.gate.registry.move_alias (loads and scores the blob, compares and
-sets against the version this page showed, refused while pinned). Names and reasons operators typed
-are shown through dashboard.common.plain, never as markdown.
+Every move is storage.versions.set_alias with serving_schema (the blob's checksum, and the feature
+schema the champion serves: every version was loaded and scored when stored; compares and sets
+against the version this page showed, refused while pinned). Names and reasons operators typed are
+shown through dashboard.common.plain, never as markdown.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from dashboard.common import Admin, plain, read_session
 from storage.engine import session_scope
 from storage.errors import StorageError
 from storage.pins import list_pins, unpin_alias
-from storage.versions import CHAMPION, get_alias_version, rollback_target
+from storage.versions import CHAMPION, get_alias_version, rollback_destination, set_alias
 from storage.workloads import WORKLOADS
 
 FLASH, SHOWN = "_hvd_pins_flash", "_hvd_pins_shown"
@@ -32,13 +33,10 @@ def _state(s: Session) -> dict[str, dict]:
     out = {}
     for name in ALIASES:
         version = get_alias_version(s, name)
-        if name == CHAMPION:
-            back = version.parent_id if version is not None else None
-        else:
-            try:
-                back = rollback_target(s, name)[0]
-            except LookupError:
-                back = None
+        try:
+            back = rollback_destination(s, name)[1]
+        except LookupError:
+            back = None
         out[name] = {"version": None if version is None else version.id, "back": back}
     for name, pin in list_pins(s).items():
         if name in out:
@@ -92,9 +90,8 @@ def pins_section(engine: Engine, admin: Admin, version_ids: list[int], datetime_
         return
 
     def pin_it(s: Session) -> str:
-        from predictor.gate.registry import move_alias  # loads and scores the blob (torch)
-
-        move_alias(s, name, int(target), reason=why.strip(), actor=admin.name, expected=shown.get(name), pin=True)
+        set_alias(s, name, int(target), reason=why.strip(), actor=admin.name, expected=shown.get(name), pin=True,
+                  serving_schema=True)
         return f"{name} pinned to v{target} by {admin.name}."
 
     def unpin_it(s: Session) -> str:
@@ -102,9 +99,9 @@ def pins_section(engine: Engine, admin: Admin, version_ids: list[int], datetime_
         return f"{name} unpinned (it stays at v{held}; the learner may move it again), by {admin.name}."
 
     def roll_back(s: Session) -> str:
-        from predictor.gate.registry import rollback_alias
-
-        before, after = rollback_alias(s, name, reason=why.strip(), actor=admin.name, expected=shown.get(name))
+        before, after = rollback_destination(s, name)
+        set_alias(s, name, after, reason=f"rollback: {why.strip()}", actor=admin.name, expected=shown.get(name),
+                  serving_schema=True)
         return f"{name}: {'no version' if before is None else f'v{before}'} -> v{after} (rollback, by {admin.name})."
 
     _act(engine, admin, why, pin_it if pin else unpin_it if unpin else roll_back)

@@ -10,7 +10,7 @@ from sqlalchemy import Engine
 from predictor.drafting.features import schema_hash
 from predictor.evaluation.gate_quality import metrics_by_workload, survival_reliability
 from predictor.gate.mlp import GatePredictor
-from predictor.gate.registry import CHAMPION, move_alias, version_kind
+from predictor.gate.registry import CHAMPION, check_blob, move_alias, version_kind
 from predictor.gate.training import LOSS_NAMES, TrainConfig, train_gate
 from predictor.replay.dataset import Dataset
 from storage.engine import session_scope
@@ -72,7 +72,8 @@ def warmstart(engine: Engine, data: Dataset, config: TrainConfig | None = None, 
         parent = current.id if current is not None else None
         version = create_version(session, blob=blob, kind=version_kind(gate), feature_schema_hash=gate.schema_hash,
                                  metrics=metrics, training_summary=training_summary(data, config, losses[-1]),
-                                 reason="warm start from replayed traces", created_by=created_by, parent_id=parent)
+                                 reason="warm start from replayed traces", created_by=created_by, parent_id=parent,
+                                 check=check_blob)
         move_alias(session, CHAMPION, version.id, reason="warm start", actor=created_by, expected=parent)
         version_id = version.id
     overall = metrics["test"]["overall"]

@@ -34,7 +34,7 @@ from storage.models import (
 from storage.overrides import list_overrides, override_state, snapshot
 from storage.stats import ALL, BUCKET_SECONDS, HIST_BINS, LONG
 from storage.step_costs import STEP_PARTS, column, recent_minutes
-from storage.versions import CHAMPION, get_alias_version, version_problem
+from storage.versions import CHAMPION, get_alias_version, serving_schema_problem, version_problem
 
 TENANT_WIDE = "(all)"  # the workload column of an override for every workload of its tenant
 REQUIRED_TABLES = ("predictor_versions", "aliases", "decision_events", "stat_buckets", "tau_history", "tau_overrides")
@@ -510,12 +510,15 @@ def overrides_audit(session: Session, now: datetime | None = None) -> list[dict[
 
 def versions(session: Session) -> list[dict[str, Any]]:
     """Lineage: every version with its parent, metrics, which aliases point at it, and why it
-    cannot be served if its stored blob no longer matches its checksum (the dashboard loads no model)."""
+    cannot be served if its stored blob no longer matches its checksum or its feature schema is not
+    the one the champion serves (the dashboard loads no model: versions were scored when stored)."""
     aliases: dict[int, list[str]] = {}
     for name, vid in session.execute(select(Alias.name, Alias.version_id).order_by(Alias.name)):
         aliases.setdefault(vid, []).append(name)
+    champion = get_alias_version(session, CHAMPION)
     return [{"id": v.id, "parent_id": v.parent_id, "created_at": v.created_at, "kind": v.kind,
-             "aliases": ", ".join(aliases.get(v.id, [])), "unloadable": version_problem(v) or "",
+             "aliases": ", ".join(aliases.get(v.id, [])),
+             "unloadable": version_problem(v) or serving_schema_problem(v, champion) or "",
              "metrics": v.metrics, "reason": v.reason, "created_by": v.created_by}
             for v in session.scalars(select(PredictorVersion).order_by(PredictorVersion.id))]
 

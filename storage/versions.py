@@ -63,6 +63,14 @@ class UnloadableVersionError(StorageError, ValueError):
         super().__init__(f"predictor version v{version_id} is unloadable: {problem}")
 
 
+class UnloadableBlobError(StorageError, ValueError):
+    """A blob refused before it was stored: it does not load or score."""
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+        super().__init__(f"predictor blob refused, nothing stored: {problem}")
+
+
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -116,11 +124,21 @@ def create_version(
     reason: str,
     created_by: str,
     parent_id: int | None = None,
+    check: BlobCheck | None = None,
 ) -> PredictorVersion:
-    """Store a trained model; the checksum is computed here so it can't disagree with the bytes."""
+    """Store a trained model; the checksum is computed here so it can't disagree with the bytes.
+    With ``check`` (what the serving code loads and scores a blob with) a blob that fails it is
+    refused (UnloadableBlobError) and nothing is stored: every version the product stores loaded and
+    scored once, so a process without the predictor (the dashboard) can move an alias to it on its
+    checksum and feature schema alone (set_alias(serving_schema=True))."""
     if not isinstance(blob, (bytes, bytearray, memoryview)):
         raise StorageError(f"blob must be bytes, got {type(blob).__name__}")
     data = bytes(blob)
+    if check is not None:
+        try:
+            check(data)
+        except ValueError as exc:
+            raise UnloadableBlobError(str(exc) or type(exc).__name__) from exc
     if not feature_schema_hash or len(feature_schema_hash) > _MAX_HASH_LEN:
         raise StorageError(
             f"feature_schema_hash must be 1..{_MAX_HASH_LEN} chars, got {feature_schema_hash!r}"
@@ -150,7 +168,8 @@ def create_version(
 
 
 def set_alias(session: Session, name: str, version_id: int, *, reason: str, actor: str,
-              check: BlobCheck | None = None, expected: int | None | object = UNREAD, pin: bool = False) -> None:
+              check: BlobCheck | None = None, expected: int | None | object = UNREAD, pin: bool = False,
+              serving_schema: bool = False) -> None:
     """Point ``name`` at a version and record the move, so promotions are auditable. The blob is
     verified first (its checksum here, loading and scoring through ``check``): an alias at a
     version no replica can load would stop every replica following it. A move to the version the
@@ -161,8 +180,11 @@ def set_alias(session: Session, name: str, version_id: int, *, reason: str, acto
     meanwhile holds; ``pin`` makes this move an operator's pin (moving the alias if it names another
     version, then holding it there), the one way to move a pinned alias.
 
-    Production code moves aliases only through predictor.gate.registry.move_alias, which passes the
-    load check and the version read (tests/test_architecture.py keeps it so)."""
+    ``serving_schema``: for a process that cannot load a blob (the dashboard imports no predictor
+    code), the version must also have the feature schema the champion's has, the one the replicas
+    serve (versions were loaded and scored when stored: create_version(check=...)). Production code
+    moves aliases only through predictor.gate.registry.move_alias, which passes the load check, or,
+    without the predictor, with ``serving_schema`` (tests/test_architecture.py keeps it so)."""
     # Row lock on PostgreSQL so concurrent promotions and pins serialise; no-op on SQLite
     # (whose writers are already serialised by the database lock).
     alias = session.get(Alias, name, with_for_update=True, populate_existing=True)
@@ -178,7 +200,9 @@ def set_alias(session: Session, name: str, version_id: int, *, reason: str, acto
         raise AliasPinnedError(name, held)
     if previous == version_id and not pin:
         raise NoOpAliasMove(name, version_id)
-    problem = version_problem(get_version(session, version_id), check)
+    version = get_version(session, version_id)
+    problem = version_problem(version, check) or (
+        serving_schema_problem(version, get_alias_version(session, CHAMPION)) if serving_schema else None)
     if problem is not None:
         raise UnloadableVersionError(version_id, problem)
     now = utcnow()
@@ -221,6 +245,31 @@ def rollback_target(session: Session, name: str) -> tuple[int, AliasEvent]:
         raise LookupError(f"{name} had no version before the learner's move #{last.id}, and {CHAMPION} none "
                           "either: give --to VERSION")
     return before[-1].to_version_id, last
+
+
+def rollback_destination(session: Session, name: str) -> tuple[int | None, int]:
+    """(the version ``name`` names now, where rolling it back goes): ``champion`` to its champion's
+    parent, ``champion/<workload>`` to the version before the learner's last move of it
+    (rollback_target). LookupError, saying what to do instead, when there is nowhere to go."""
+    current = get_alias_version(session, name)
+    current_id = current.id if current is not None else None
+    if name != CHAMPION:
+        return current_id, rollback_target(session, name)[0]
+    if current is None:
+        raise LookupError("no champion to roll back: run `hvd warmstart`")
+    if current.parent_id is None:
+        raise LookupError(f"champion v{current.id} has no parent: give --to VERSION")
+    return current_id, current.parent_id
+
+
+def serving_schema_problem(version: PredictorVersion, champion: PredictorVersion | None) -> str | None:
+    """Why the replicas serving ``champion`` could not load ``version``: its feature schema is not
+    the champion's (None: it is, or there is no champion to compare with)."""
+    if champion is None or champion.feature_schema_hash == version.feature_schema_hash:
+        return None
+    return (f"predictor blob was trained on feature schema {version.feature_schema_hash[:12]}, the champion "
+            f"v{champion.id} on {champion.feature_schema_hash[:12]}: the replicas that serve the champion could not "
+            "load it")
 
 
 def list_alias_events(session: Session, name: str | None = None) -> list[AliasEvent]:

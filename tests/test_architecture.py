@@ -16,9 +16,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "storage": (),
     "predictor": ("storage",),
     "controller": ("predictor", "storage"),
-    # The dashboard prices traffic with the cost profiles and counterfactuals (pure code), never the controller.
-    # It moves the champion only through predictor.gate.registry, which loads and scores the blob.
-    "dashboard": ("storage", "predictor.decision.profiles", "predictor.evaluation.baselines", "predictor.gate.registry"),
+    # The dashboard prices traffic with the cost profiles and counterfactuals (pure code), never the controller;
+    # it moves aliases through storage alone (set_alias(serving_schema=True): versions were scored when stored).
+    "dashboard": ("storage", "predictor.decision.profiles", "predictor.evaluation.baselines"),
     # The EAGLE3 trainer starts vLLM the way the engines do and reads the bundled traces.
     "eagle3_training": ("controller.engines", "predictor", "storage"),
 }
@@ -190,12 +190,35 @@ def alias_calls() -> Iterator[tuple[str, str, ast.Call]]:
                         yield f"{path.relative_to(ROOT)}:{node.lineno}", name, node
 
 
+def _keyword(call: ast.Call, arg: str) -> ast.expr | None:
+    return next((k.value for k in call.keywords if k.arg == arg), None)
+
+
 def test_every_alias_move_goes_through_the_checked_compare_and_set() -> None:
-    """No alias moves by set_alias outside the registry (which passes the load check), and every move
-    says which version it read: the dashboard, the CLI and the learner alike."""
-    direct = [where for where, name, _ in alias_calls() if name == "set_alias" and not where.startswith(THE_MOVE)]
-    assert not direct, "set_alias called outside predictor.gate.registry (use move_alias):\n" + "\n".join(direct)
-    unread = [where for where, name, call in alias_calls() if name in MOVES and not where.startswith(THE_MOVE[0])
-              and not any(k.arg == "expected" for k in call.keywords)]
+    """No alias moves by set_alias outside the registry (which passes the load check) but the
+    dashboard's, which has no predictor and so passes serving_schema=True (the stored checksum and the
+    champion's feature schema); and every move says which version it read: the dashboard, the CLI and
+    the learner alike."""
+    direct = [where for where, name, call in alias_calls() if name == "set_alias" and not where.startswith(THE_MOVE)
+              and not (where.startswith("dashboard/") and isinstance(v := _keyword(call, "serving_schema"), ast.Constant)
+                       and v.value is True)]
+    assert not direct, ("set_alias called outside predictor.gate.registry (use move_alias; the dashboard: "
+                        "serving_schema=True):\n" + "\n".join(direct))
+    unread = [where for where, name, call in alias_calls() if (name in MOVES or name == "set_alias")
+              and not where.startswith(THE_MOVE) and _keyword(call, "expected") is None]
     assert not unread, "alias moves without expected= (the version read):\n" + "\n".join(unread)
     assert {name for _, name, _ in alias_calls()} >= {"set_alias", "move_alias"}  # the scan sees them
+
+
+def test_every_stored_version_was_loaded_and_scored() -> None:
+    """The product stores versions only with check= (predictor.gate.registry.check_blob): what lets
+    the dashboard move aliases without loading a blob."""
+    unchecked = []
+    for package in ALLOWED:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == \
+                        "create_version" and _keyword(node, "check") is None:
+                    unchecked.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not unchecked, "versions stored without check= (pass predictor.gate.registry.check_blob):\n" + \
+        "\n".join(unchecked)

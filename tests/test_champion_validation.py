@@ -156,6 +156,8 @@ def test_dashboard_queries_mark_the_corrupt_version_and_stale_replicas(world):
         rows = {r["id"]: r["unloadable"] for r in q.versions(s)}
         status = q.champion_status(s)
     assert rows[v3].startswith("blob sha256 mismatch") and rows[v1] == rows[v2] == rows[v4] == ""
+    assert rows[v5] == (f"predictor blob was trained on feature schema ffffffffffff, the champion v{v1} on "
+                        f"{schema_hash()[:12]}: the replicas that serve the champion could not load it")
     assert status["version"] == v1 and status["problem"] is None and status["stale"] == {}
 
 
@@ -178,6 +180,60 @@ def test_an_override_row_this_version_cannot_apply_is_skipped_and_named(world, c
     said = [r.getMessage() for r in caplog.records if r.name == "hvd.controls"]
     assert len(said) == 1 and f"override #{beta} cannot be applied" in said[0]  # once, by id
     assert poller.health().failing == 0
+
+
+def test_without_the_predictor_a_move_checks_the_checksum_and_the_served_schema(world):
+    """The dashboard's move (storage alone): a corrupt blob and another feature schema are refused,
+    naming why; a version of the champion's schema moves, compare-and-set as every move."""
+    engine, _, (v1, v2, v3, v4, v5) = world
+    for bad, why in ((v3, "blob sha256 mismatch"), (v5, "predictor blob was trained on feature schema ffffffffffff, "
+                                                         f"the champion v{v1} on {schema_hash()[:12]}")):
+        with pytest.raises(UnloadableVersionError, match=f"predictor version v{bad} is unloadable: {why}"):
+            with session_scope(engine) as s:
+                set_alias(s, "champion/sql", bad, reason="dashboard", actor="ops", expected=None, serving_schema=True)
+    with session_scope(engine) as s:
+        set_alias(s, "champion/sql", v2, reason="dashboard", actor="ops", expected=None, serving_schema=True)
+        assert get_alias_version(s, "champion/sql").id == v2 and get_alias_version(s, CHAMPION).id == v1
+
+
+def test_a_blob_that_does_not_load_or_score_is_never_stored(world):
+    """Every version the product stores passes check_blob first (what lets the dashboard move on the
+    checksum and schema alone): an overflowing blob and another schema's are refused, nothing stored."""
+    from sqlalchemy import func, select
+
+    from predictor.gate.registry import check_blob
+    from storage.models import PredictorVersion
+    from storage.versions import UnloadableBlobError
+
+    engine, *_ = world
+    with session_scope(engine) as s:
+        before = s.scalar(select(func.count()).select_from(PredictorVersion))
+    for gate, why in ((_gate(3, scale=1e12), "scores a fixed probe input to non-finite values"),
+                      (_gate(4, schema="e" * 64), "was trained on feature schema eeeeeeeeeeee")):
+        with pytest.raises(UnloadableBlobError, match=f"predictor blob refused, nothing stored: predictor blob {why}"):
+            with session_scope(engine) as s:
+                create_version(s, blob=gate.to_bytes(), kind="mlp", feature_schema_hash=gate.schema_hash, metrics={},
+                               training_summary={}, reason="test", created_by="test", check=check_blob)
+    with session_scope(engine) as s:
+        assert s.scalar(select(func.count()).select_from(PredictorVersion)) == before
+        good = create_version(s, blob=_gate(5).to_bytes(), kind="mlp", feature_schema_hash=schema_hash(), metrics={},
+                              training_summary={}, reason="test", created_by="test", check=check_blob)
+        assert good.id > before
+
+
+def test_rollback_destination_names_where_each_alias_goes_back_to(world):
+    from storage.versions import rollback_destination
+
+    engine, _, (v1, v2, *_) = world
+    with session_scope(engine) as s:
+        with pytest.raises(LookupError, match=f"champion v{v1} has no parent: give --to VERSION"):
+            rollback_destination(s, CHAMPION)
+        promote(s, v2, reason="child", actor="ops")
+        assert rollback_destination(s, CHAMPION) == (v2, v1)
+        with pytest.raises(LookupError, match="champion/sql was never moved by the learner"):
+            rollback_destination(s, "champion/sql")
+        promote_for_workload(s, "sql", v1, reason="promotion for sql", actor="learner@r1", expected=None)
+        assert rollback_destination(s, "champion/sql") == (v1, v2)  # champion named v2 when the learner moved it
 
 
 def test_a_move_from_a_stale_read_is_refused_and_changes_nothing(world):

@@ -741,7 +741,7 @@ def test_the_dashboard_moves_the_champion_only_to_a_loadable_version_it_was_show
     at.text_input(key="version_reason").input("try it")
     at.selectbox(key="promote_version").select(v2)
     next(b for b in at.button if b.label == "Promote to champion").click()
-    run(at)  # the dashboard loads and scores the blob as the CLI and the learner do
+    run(at)  # no model loaded: the checksum and the champion's feature schema, checked in storage
     assert any(e.value.startswith(f"predictor version v{v2} is unloadable: predictor blob was trained on feature "
                                   "schema ffffffffffff") for e in at.error), [e.value for e in at.error]
     with session_scope(engine) as s:  # the learner moves the champion while the page is on screen

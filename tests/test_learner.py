@@ -187,8 +187,8 @@ def test_same_events_in_same_versions_out(served_db, tmp_path):
 
 def test_service_never_promotes_a_challenger_that_does_not_load(served_db, monkeypatch):
     """A challenger that earned promotion but whose blob holds a NaN weight (diverged between the
-    shadow score and the store) is refused: the alias stays and the version is not stored either."""
-    from storage.versions import UnloadableVersionError
+    shadow score and the store) is refused when stored: the alias stays and no version is stored."""
+    from storage.versions import UnloadableBlobError
 
     engine, _ = served_db
     service = LearnerService(engine, DecisionConfig(), SMALL, replica="r1", start_at_end=False, batch_events=500)
@@ -205,8 +205,8 @@ def test_service_never_promotes_a_challenger_that_does_not_load(served_db, monke
             promote_as_learned(session, score)
 
     monkeypatch.setattr(service, "_promote", promote_diverged)
-    with pytest.raises(UnloadableVersionError,
-                       match=r"^predictor version v2 is unloadable: predictor blob holds non-finite weights$"):
+    with pytest.raises(UnloadableBlobError,
+                       match=r"^predictor blob refused, nothing stored: predictor blob holds non-finite weights$"):
         while service.run_once():
             pass
     assert service.champion_id == 1 and not service.stats.promotions

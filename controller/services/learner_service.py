@@ -30,7 +30,7 @@ from predictor.drafting.features import NUM_FEATURES
 from predictor.gate.batch import Batch
 from predictor.gate.calibration import Calibration
 from predictor.gate.mlp import SURVIVAL_K, GatePredictor
-from predictor.gate.registry import (CHAMPION, load_gate, move_alias, version_kind, workload_alias,
+from predictor.gate.registry import (CHAMPION, check_blob, load_gate, move_alias, version_kind, workload_alias,
                                workload_champions)
 from predictor.online.calibrator import Calibrator, Recent, Score
 from predictor.online.counterfactual import Paths, gain, replay_paths, served_curves_from, wins
@@ -293,7 +293,7 @@ class LearnerService(BackgroundService):
                 training_summary={"online": {"events_seen": self.learner.events_seen, "updates": self.learner.updates,
                                              "seed": self.config.seed}},
                 reason=f"promoted by the online learner for {names} (counterfactual replay on held-back drafts)",
-                created_by=actor, parent_id=self.champion_id)
+                created_by=actor, parent_id=self.champion_id, check=check_blob)
             self.stats.promotions.append(version.id)
             for v in wins:
                 name = WORKLOADS[v.workload]
@@ -531,7 +531,7 @@ class LearnerService(BackgroundService):
                                          "seed": self.config.seed}},
             reason=(f"promoted by the online learner: goodput proxy {100 * score.gain:+.2f}% and MAE "
                     f"{score.challenger_mae:.3f} vs {score.champion_mae:.3f} over {score.events} shadow-scored events"),
-            created_by=f"learner@{self.replica}", parent_id=self.champion_id)
+            created_by=f"learner@{self.replica}", parent_id=self.champion_id, check=check_blob)
         if self._move(s, None, version.id, reason="promotion") is not None:  # refuses an unloadable blob too
             return
         new_id = version.id

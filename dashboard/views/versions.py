@@ -10,7 +10,7 @@ from dashboard.pins import pins_section
 from storage import dashboard_queries as q
 from storage.engine import session_scope
 from storage.versions import (CHAMPION, AliasMovedError, AliasPinnedError, NoOpAliasMove, UnloadableVersionError,
-                              get_alias_version)
+                              get_alias_version, set_alias)
 
 FLASH, SHOWN = "_hvd_versions_flash", "_hvd_versions_champion_shown"
 DATETIME = st.column_config.DatetimeColumn(format="YYYY-MM-DD HH:mm:ss")
@@ -60,7 +60,8 @@ if rows:
                  hide_index=True, width="stretch", column_config={"Created (UTC)": DATETIME})
     st.caption("Trained from links each version to the one it was trained from; Live as shows the aliases naming it "
                "(champion, or champion/<workload> for a workload's own champion); Unloadable names a version whose "
-               "stored blob no longer matches its checksum (never promoted).")
+               "stored blob no longer matches its checksum or whose feature schema is not the champion's (never "
+               "promoted from here).")
 else:
     st.info("No predictor versions: run `make warmstart`.")
 
@@ -85,12 +86,10 @@ def move(to_version: int, why: str) -> None:
     elif not reason.strip():
         st.error("A reason is required; nothing changed.")
     else:
-        from predictor.gate.registry import promote as promote_champion  # loads and scores the blob (torch)
-
         try:
-            with session_scope(engine) as s:
-                promote_champion(s, int(to_version), reason=f"{why}: {reason.strip()}", actor=admin.name,
-                                 expected=shown_champion)
+            with session_scope(engine) as s:  # checksum and served feature schema: versions were scored when stored
+                set_alias(s, CHAMPION, int(to_version), reason=f"{why}: {reason.strip()}", actor=admin.name,
+                          expected=shown_champion, serving_schema=True)
         except NoOpAliasMove:
             st.error(f"v{to_version} already is the champion; nothing changed.")
             return

@@ -1,5 +1,7 @@
 """Loading a stored predictor version back into the numpy gate, and moving the champion aliases
-only to versions that load (move_alias: every move goes through it)."""
+only to versions that load (move_alias: every move by a process with the predictor goes through
+it). Every version is checked when stored too (`check_blob`, passed to create_version), so the
+dashboard, which has no predictor, moves aliases on the checksum and feature schema in storage."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,7 +13,7 @@ from predictor.gate.mlp import DRAFT_LEN_COLUMN, SURVIVAL_K, BlobError, GatePred
 from storage.engine import session_scope
 from storage.errors import CorruptBlobError, StorageError
 from storage.versions import (CHAMPION, UNREAD, PredictorVersion, UnloadableVersionError, create_version,
-                              get_alias_version, get_version, rollback_target, set_alias, verify_blob,
+                              get_alias_version, get_version, rollback_destination, set_alias, verify_blob,
                               version_problem)
 
 
@@ -56,6 +58,7 @@ def gate_from_blob(blob: bytes) -> GatePredictor:
 
 
 def check_blob(blob: bytes) -> None:
+    """storage's BlobCheck: the blob loads for this code's feature schema and scores the probe."""
     gate_from_blob(blob)
 
 
@@ -123,19 +126,13 @@ def rollback_alias(session: Session, name: str, *, reason: str, actor: str, to: 
                    expected: int | None | object = UNREAD) -> tuple[int | None, int]:
     """Roll ``name`` back (move_alias, so checked, compare-and-set and refused while pinned):
     ``champion`` to its champion's parent, ``champion/<workload>`` to the version before the
-    learner's last move of it (storage.versions.rollback_target), or either to ``to``. ``expected``:
+    learner's last move of it (storage.versions.rollback_destination), or either to ``to``. ``expected``:
     the version the caller showed (default: the one read here). Returns (from, to)."""
-    current = get_alias_version(session, name)
-    current_id = current.id if current is not None else None
     if to is None:
-        if name == CHAMPION:
-            if current is None:
-                raise LookupError("no champion to roll back: run `hvd warmstart`")
-            if current.parent_id is None:
-                raise LookupError(f"champion v{current.id} has no parent: give --to VERSION")
-            to = current.parent_id
-        else:
-            to, _ = rollback_target(session, name)
+        current_id, to = rollback_destination(session, name)
+    else:
+        current = get_alias_version(session, name)
+        current_id = current.id if current is not None else None
     move_alias(session, name, to, reason=f"rollback: {reason}", actor=actor,
                expected=current_id if expected is UNREAD else expected)
     return current_id, to
@@ -145,7 +142,7 @@ def store_champion(session: Session, gate: GatePredictor, *, reason: str, actor:
     """Store ``gate`` as a new version and promote it (benchmarks and tests that need a champion)."""
     version = create_version(session, blob=gate.to_bytes(), kind=version_kind(gate),
                              feature_schema_hash=gate.schema_hash, metrics={}, training_summary={}, reason=reason,
-                             created_by=actor)
+                             created_by=actor, check=check_blob)
     current = get_alias_version(session, CHAMPION)
     promote(session, version.id, reason=reason, actor=actor, expected=None if current is None else current.id)
     return version.id
