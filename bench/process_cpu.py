@@ -17,7 +17,7 @@ from pathlib import Path
 
 PROC = Path("/proc")
 ROLES = ("api server", "engine core", "worker", "hvd threads")
-HVD_THREAD_PREFIX = "hvd-"
+SERVICE_THREAD_PREFIX = "hvd-"
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ def parse_stat(text: str) -> TaskStat:
 def role(process_comm: str, thread_comm: str) -> str:
     """Which of ROLES a thread works for: HVD's named threads apart, then by vLLM's process titles
     (the kernel keeps 15 bytes of them: `VLLM::EngineCor`, `VLLM::Worker`)."""
-    if thread_comm.startswith(HVD_THREAD_PREFIX):
+    if thread_comm.startswith(SERVICE_THREAD_PREFIX):
         return "hvd threads"
     if process_comm.startswith("VLLM::EngineCor"):
         return "engine core"
