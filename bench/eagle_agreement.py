@@ -46,6 +46,7 @@ from predictor.data.tokens import TraceTokenizer  # noqa: E402
 from predictor.data.traces import TraceRecord, load_traces, onpolicy_traces_path  # noqa: E402
 from predictor.decision.profiles import cost_profiles, drafter_profiles  # noqa: E402
 from predictor.evaluation.gate_quality import auc  # noqa: E402
+from predictor.gate.calibration import conditional, logit  # noqa: E402
 from predictor.evaluation.simulator import SimInput, Simulator, model_accepted  # noqa: E402
 from predictor.replay.trace_replay import LEAD_TOKENS, ReplayResult  # noqa: E402
 from predictor.replay.trace_replay_cache import cached_replay  # noqa: E402
@@ -161,11 +162,6 @@ def cross_fitted(x: np.ndarray, y: np.ndarray, fold: np.ndarray, train: np.ndarr
     return p
 
 
-def logit(p: np.ndarray) -> np.ndarray:
-    p = np.clip(p, 1e-6, 1 - 1e-6)
-    return np.log(p / (1 - p))
-
-
 def with_head(cond: np.ndarray, label: np.ndarray, draft_len: np.ndarray, fold: np.ndarray, agree: np.ndarray,
               head_prob: np.ndarray, p_cache: np.ndarray, positions: int) -> np.ndarray:
     """The gate's conditional acceptance rates with the first `positions` re-predicted: at position j a
@@ -213,8 +209,7 @@ def main() -> None:
     names = np.unique(sessions)
     fold = dict(zip(names, np.random.default_rng(args.seed).permutation(len(names)) % 2))
     fold = np.array([fold[s] for s in sessions])
-    s_gate = np.clip(survival[has], 1e-6, 1.0)
-    cond = s_gate / np.concatenate([np.ones((len(has), 1)), s_gate[:, :-1]], axis=1)
+    cond = conditional(np.clip(survival[has], 1e-6, 1.0))  # floored: every rate is defined, none 0
     perfect = (label[:, None] >= np.arange(1, LEAD_TOKENS + 1)).astype(np.float64)
     conds = {"gate": cond}
     for name, positions in (("gate + head, first token", 1), (f"gate + head, {LEAD_TOKENS} tokens", LEAD_TOKENS)):

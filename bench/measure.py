@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import statistics
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TypeVar
 
@@ -138,18 +138,22 @@ def prometheus_counters(text: str, names: Sequence[str] = SPEC_COUNTERS) -> dict
     `_total` suffix Prometheus adds to counters is accepted; `_created` samples are not counters."""
     wanted = set(names)
     out = {name: 0.0 for name in names}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        name = m.group(1)
+    for name, _, value in _samples(text):
         base = name[: -len("_total")] if name.endswith("_total") else name
         if base in wanted:
-            out[base] += float(m.group(3))
+            out[base] += value
     return out
 
 
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def _samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of every sample line of a Prometheus text page."""
+    for line in text.split("\n"):  # the exposition format's lines; a label value may hold any other character
+        m = _SAMPLE.match(line)
+        if m:
+            yield m.group(1), dict(_LABEL.findall(m.group(2) or "")), float(m.group(3))
 
 
 def prometheus_by_label(text: str, name: str, label: str, where: Mapping[str, str] | None = None) -> dict[str, float]:
@@ -157,13 +161,9 @@ def prometheus_by_label(text: str, name: str, label: str, where: Mapping[str, st
     Prometheus text page, only those whose labels include ``where``: e.g. hvd_step_seconds_sum per part
     of the decode steps."""
     out: dict[str, float] = {}
-    for line in text.split("\n"):  # the exposition format's lines; a label value may hold any other character
-        m = _SAMPLE.match(line)
-        if not m or m.group(1) != name:
-            continue
-        labels = dict(_LABEL.findall(m.group(2) or ""))
-        if label in labels and all(labels.get(k) == v for k, v in (where or {}).items()):
-            out[labels[label]] = out.get(labels[label], 0.0) + float(m.group(3))
+    for sample, labels, value in _samples(text):
+        if sample == name and label in labels and all(labels.get(k) == v for k, v in (where or {}).items()):
+            out[labels[label]] = out.get(labels[label], 0.0) + value
     return out
 
 
