@@ -92,6 +92,26 @@ def test_spec_run_figures_per_1000_tokens():
     assert run.raw() == "500 tok/10.00 s, drafts 100, draft tok 400, accepted 150"
 
 
+def test_served_steps_come_from_vllms_step_count_not_its_accepted_counter():
+    """vLLM counts a last draft's accepted tokens past max_tokens; its inter-token latency histogram
+    counts the steps. 2 requests, 40 tokens: 12 decode steps + 2 prefills, 26 drafted tokens kept."""
+    def page(count: float, total: float) -> str:
+        return "\n".join(['vllm:inter_token_latency_seconds_bucket{engine="0",le="0.1"} 1.0',
+                          f'vllm:inter_token_latency_seconds_count{{engine="0",model_name="m"}} {count}',
+                          f'vllm:inter_token_latency_seconds_sum{{engine="0",model_name="m"}} {total}'])
+    steps, apart = measure.served_steps(page(3, 0.5), page(15, 1.1), requests=2)
+    assert steps == 14 and apart == pytest.approx(50.0)
+    assert measure.served_steps(page(3, 0.5), page(3, 0.5), requests=2) == (None, None)
+    run = measure.SpecRun(tokens=40, seconds=2.0, drafts=12, draft_tokens=60, accepted=35, served_steps=steps,
+                          step_wall_ms=apart)
+    assert run.decode_steps == 14 and run.emitted_accepted == 26 and run.rejected == 34
+    assert run.figures()["steps"] == 350.0 and run.figures()["accepted"] == 650.0
+    assert "steps 14 (50.0 ms apart)" in run.raw()
+    # without the step count, the subtraction, as for the in-process engine
+    bare = measure.SpecRun(tokens=40, seconds=2.0, drafts=12, draft_tokens=60, accepted=35)
+    assert bare.decode_steps == 5 and bare.rejected == 25
+
+
 def test_pooled_decode_rate_weighs_requests_by_their_decoding_time():
     # one fast request and two slow ones: the median request decodes at 10 tok/s, all of them at 40
     decoded = [(100, 1.0), (10, 1.0), (10, 1.0)]
@@ -334,7 +354,7 @@ def test_baseline_server_is_the_same_server_without_the_plugin(monkeypatch):
                         "--max-num-seqs", "8", "--max-num-batched-tokens", "4096", "--enforce-eager",
                         "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5"]
     suffix, _ = vllm_methods.server_command("suffix", 8123, False, "sqlite:///x.db")
-    assert suffix[suffix.index("--speculative-config") + 1] == '{"method": "suffix", "num_speculative_tokens": 16}'
+    assert suffix[suffix.index("--speculative-config") + 1] == '{"method": "suffix", "num_speculative_tokens": 24}'
     with pytest.raises(ValueError, match="baselines"):
         vllm_methods.server_command("hvd-binary", 8123, False, "sqlite:///x.db")
     none_argv, none_env = vllm_methods.server_command("hvd-none", 8123, False, "sqlite:///x.db")

@@ -11,7 +11,7 @@ from arctic_inference.suffix_decoding import SuffixDecodingCache
 
 from predictor.data.tokens import TraceTokenizer
 from predictor.data.traces import bundled_traces_path, parse_record
-from predictor.drafting.cache_drafter import TREE_GLOBAL, TREE_NONE, TREE_PROMPT, CacheDrafter, SuffixConfig
+from predictor.drafting.cache_drafter import TREE_GLOBAL, TREE_NONE, TREE_PROMPT, VLLM_SUFFIX, CacheDrafter, SuffixConfig
 from predictor.drafting.common_prefix import lcp
 from predictor.drafting.features import NUM_FEATURES
 from predictor.replay.trace_replay import LEAD_TOKENS, replay
@@ -26,9 +26,11 @@ def test_repeated_phrase_in_prompt_drafts_from_prompt_tree():
     d = drafter.draft("r", prompt)
     assert d.tree == TREE_PROMPT
     assert d.match_len == 5
-    # continues the phrase; length capped by max_spec_factor * match_len = 5 (only 3 phrase tokens left)
+    # continues the phrase and past it, as the prompt did; HVD's shape caps the length at 4 x the
+    # match (20), vLLM's at the match (5)
     assert d.token_ids[:3] == PHRASE[5:]
-    assert d.length <= 5
+    assert d.token_ids[3:6] == [7, 8, 9] and 5 < d.length <= 20
+    assert drafter.vllm_draft("r", prompt)[0] == d.token_ids[:5]
     assert d.score == pytest.approx(sum(d.probs))
     assert all(0.0 < p <= 1.0 for p in d.probs)
     assert d.other_score == 0.0 and d.other_len == 0 and d.trees_agree == 0  # the global tree is empty
@@ -52,14 +54,15 @@ def test_finished_response_drafts_for_another_request_from_global_tree():
     drafter.start("b", prompt)
     d = drafter.draft("b", prompt)
     assert d.tree == TREE_GLOBAL
-    assert d.match_len == 10
-    assert d.token_ids == response[10:20]  # capped at match_len tokens (factor 1.0)
-    assert d.probs == [1.0] * 10 and d.score == pytest.approx(10.0)
+    # on into the rest of the response, past the 10 tokens vLLM's shape allows (HVD's cap: 4 x the match)
+    assert 10 < d.length <= 4 * d.match_len and d.token_ids == response[10 : 10 + d.length]
+    assert d.probs == [1.0] * d.length and d.score == pytest.approx(d.length)
+    assert drafter.vllm_draft("b", prompt) == (response[10:20], pytest.approx(10.0))  # vLLM's: match_len
     assert d.other_len == 0  # the prompt tree has nothing after the pattern's end
 
 
 def test_prompt_tree_wins_ties_and_trees_agree_is_counted():
-    drafter = CacheDrafter()
+    drafter = CacheDrafter(VLLM_SUFFIX)  # drafts as long as their match
     seq = [300, 301, 302, 303, 304, 305]
     text = seq + [9] + seq[:3]
     # the earlier response and the new prompt are the same text, so both trees score alike
@@ -75,7 +78,7 @@ def test_prompt_tree_wins_ties_and_trees_agree_is_counted():
 
 
 def test_trees_agree_counts_leading_common_tokens():
-    drafter = CacheDrafter()
+    drafter = CacheDrafter(VLLM_SUFFIX)  # drafts as long as their match
     drafter.start("a", np.array([1], dtype=np.int32))
     drafter.extend("a", [50, 51, 52, 53, 60, 61])  # global: 50 51 52 -> 53 60 61
     drafter.stop("a")
@@ -105,6 +108,8 @@ def test_config_validation():
         SuffixConfig(num_speculative_tokens=0)
     with pytest.raises(ValueError, match="min_token_prob"):
         SuffixConfig(min_token_prob=1.5)
+    with pytest.raises(ValueError, match="max_spec_factor"):
+        SuffixConfig(max_spec_factor=-1.0)
 
 
 # ---------------------------------------------------------------- against arctic-inference itself
@@ -129,11 +134,13 @@ def tokenised():
     return [(tok.encode_context(r), tok.encode_output(r.output)) for r in records]
 
 
-def test_best_draft_equals_suffix_decoding_cache_speculate(tokenised):
-    """Same cache state, same arguments as vLLM: the wrapper's winner is arctic-inference's draft."""
-    drafter = CacheDrafter()
+@pytest.mark.parametrize("config", [SuffixConfig(), VLLM_SUFFIX], ids=["hvd", "vllm"])
+def test_best_draft_equals_suffix_decoding_cache_speculate(tokenised, config):
+    """Same cache state, same arguments as vLLM: the wrapper's winner is arctic-inference's draft, at
+    HVD's shape and at vLLM's; `vllm_draft` is always the one vLLM's suffix method would make."""
+    drafter = CacheDrafter(config)
     reference = SuffixDecodingCache(max_tree_depth=24, max_cached_requests=10000)
-    compared = nonempty = from_prompt = from_global = 0
+    compared = nonempty = from_prompt = from_global = longer = 0
     for i, (prompt, out) in enumerate(tokenised):
         rid = f"req{i}"
         drafter.start(rid, prompt)
@@ -146,9 +153,15 @@ def test_best_draft_equals_suffix_decoding_cache_speculate(tokenised):
             reference.add_active_response(rid, tok)
             ctx = seq[: p + t]
             mine = drafter.draft(rid, ctx)
-            ref = reference.speculate(rid, np.ascontiguousarray(ctx), max_spec_tokens=24, max_spec_factor=1.0,
-                                      min_token_prob=0.1)
+            ref = reference.speculate(rid, np.ascontiguousarray(ctx), max_spec_tokens=24,
+                                      max_spec_factor=config.max_spec_factor, min_token_prob=0.1)
+            vllm = reference.speculate(rid, np.ascontiguousarray(ctx), max_spec_tokens=24, max_spec_factor=1.0,
+                                       min_token_prob=0.1)
             assert mine.token_ids == list(ref.token_ids), (i, t)
+            tokens, score = drafter.vllm_draft(rid, ctx)
+            assert tokens == list(vllm.token_ids), (i, t)
+            assert score == pytest.approx(vllm.score, abs=1e-6)
+            longer += mine.length > len(tokens)
             assert mine.length <= 24
             if mine.length:
                 assert mine.score == pytest.approx(ref.score, abs=1e-6)
@@ -162,10 +175,16 @@ def test_best_draft_equals_suffix_decoding_cache_speculate(tokenised):
         reference.stop_request(rid)
     assert compared > 500
     assert nonempty > 100 and from_prompt > 0 and from_global > 0
+    if config == VLLM_SUFFIX:
+        assert longer == 0
+    else:
+        assert longer > 50  # HVD's shape asks for more than vLLM's
 
 
 def test_num_speculative_tokens_caps_the_draft(tokenised):
-    drafter, capped = CacheDrafter(), CacheDrafter(SuffixConfig(num_speculative_tokens=3))
+    # at vLLM's shape a capped draft is a prefix of the uncapped one (at HVD's a shorter match may win)
+    drafter = CacheDrafter(VLLM_SUFFIX)
+    capped = CacheDrafter(SuffixConfig(num_speculative_tokens=3, max_spec_factor=VLLM_SUFFIX.max_spec_factor))
     prompt, out = tokenised[0]
     for d in (drafter, capped):
         d.start("r", prompt)
@@ -228,12 +247,27 @@ def test_replay_labels_are_lcp_against_the_realised_output(small_records, tokeni
             assert result.draft_len[row] == d.length
             assert result.label[row] == lcp(d.token_ids, out[t:].tolist())
             assert result.score[row] == pytest.approx(d.score, abs=1e-6)
+            v_tokens, v_score = drafter.vllm_draft(f"hand{i}", seq[: len(prompt) + t])
+            assert result.vllm_len[row] == len(v_tokens)
+            assert result.vllm_label[row] == lcp(v_tokens, out[t:].tolist())
+            assert result.vllm_score[row] == pytest.approx(v_score, abs=1e-5)
             first = list(d.token_ids[:LEAD_TOKENS])
             assert lead[row].tolist() == first + [-1] * (LEAD_TOKENS - len(first))
             checked += d.length > 0
         drafter.extend(f"hand{i}", seq[-1:])
         drafter.stop(f"hand{i}")
     assert checked > 20
+
+
+def test_a_replay_at_vllms_shape_labels_vllms_drafts_as_its_own(small_records, tokenizer):
+    """The baseline's columns are labelled as HVD's are: drafting at vLLM's shape they coincide."""
+    result = replay(small_records, tokenizer, VLLM_SUFFIX)
+    assert np.array_equal(result.vllm_len, result.draft_len)
+    assert np.array_equal(result.vllm_label, result.label)
+    assert np.allclose(result.vllm_score, result.score, atol=1e-5)
+    wide = replay(small_records, tokenizer)
+    assert np.array_equal(wide.vllm_len, result.draft_len) and np.array_equal(wide.vllm_label, result.label)
+    assert (wide.draft_len > wide.vllm_len).sum() > 0.1 * (wide.vllm_len > 0).sum()
 
 
 def _twin_records(record, same_run: bool):

@@ -60,7 +60,11 @@ def _dataset(seed: int = 0) -> tuple[Dataset, np.ndarray]:
     replay = ReplayResult(trace=trace.astype(np.int32), position=position.astype(np.int32),
                           draft_len=draft_len.astype(np.int16), label=label.astype(np.int16),
                           score=label.astype(np.float32), features=features, output_len=lengths.astype(np.int32),
-                          workload=workload.astype(np.int8), token_probs=token_probs.astype(np.float32))
+                          workload=workload.astype(np.int8), token_probs=token_probs.astype(np.float32),
+                          # vLLM's suffix shape drafts half as far: a prefix of each draft here
+                          vllm_len=((draft_len + 1) // 2).astype(np.int16),
+                          vllm_label=np.minimum(label, (draft_len + 1) // 2).astype(np.int16),
+                          vllm_score=np.minimum(label, (draft_len + 1) // 2).astype(np.float32))
     test = np.ones(8, dtype=bool)
     test[7] = False
     return Dataset(records=[None] * 8, load_report=LoadReport(), replay=replay, test_traces=test, key="tiny"), curves
@@ -107,6 +111,21 @@ def test_known_values(report):
         # rejected tokens than the allocator fed the truth, which rejects none but at a trace's end
         p = d["policies"]
         assert p["oracle-length"]["overall"]["wasted_per_1k"] <= p["hvd-binary"]["overall"]["wasted_per_1k"]
+
+
+def test_suffix_and_arctic_verify_vllms_drafts_the_rest_hvds():
+    """vLLM's suffix method and ArcticInference's rule see the drafts vLLM's shape makes (here half as
+    long), the others HVD's: the baselines' figures change with vLLM's columns alone."""
+    data, curves = _dataset()
+    before = evaluate(data, CurveGate(curves), DRAFTERS[:1], cost_profiles()["gpu-8b"], seed=1)
+    rp = data.replay
+    rp.vllm_len, rp.vllm_label, rp.vllm_score = rp.draft_len.copy(), rp.label.copy(), rp.score.copy()
+    after = evaluate(data, CurveGate(curves), DRAFTERS[:1], cost_profiles()["gpu-8b"], seed=1)
+    b, a = before["drafters"]["weak"]["policies"], after["drafters"]["weak"]["policies"]
+    for policy in ("suffix", "arctic"):
+        assert b[policy]["overall"]["wasted_per_1k"] < a[policy]["overall"]["wasted_per_1k"], policy
+    for policy in ("none", "model", "hvd", "hvd-binary", "oracle", "vllm-adaptive"):
+        assert b[policy]["overall"] == a[policy]["overall"], policy
 
 
 def test_reliability_table_and_its_check(report):

@@ -4,12 +4,16 @@ step decides on the one snapshot of the control plane it started with, however o
 swapped meanwhile."""
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 
 from controller.core.decision import CACHE, MODEL, DecisionConfig
 from controller.core.events import EventQueue, LabelledEvent
-from controller.core.runtime import RequestInput, Runtime
+from controller.core.runtime import RequestInput
+from controller.core.runtime import Runtime as _Runtime
 from predictor.decision.profiles import cost_profiles
+from predictor.drafting.cache_drafter import VLLM_SUFFIX
 from predictor.drafting.features import NUM_FEATURES, schema_hash
 from predictor.drafting.token_classes import token_classes
 from predictor.gate.mlp import SURVIVAL_K, GatePredictor
@@ -17,6 +21,10 @@ from storage.workloads import WORKLOADS
 
 GPU = cost_profiles()["gpu-8b"]
 PROMPT = list(range(100, 140)) * 3  # after token 100 the cache drafts 101.. (12 tokens)
+
+# These cases hand-build drafts as long as their match (vLLM's shape); HVD's wider drafts are the
+# cache drafter's and the runtime's own tests' (test_cache_drafter.py, test_runtime.py)
+Runtime = partial(_Runtime, suffix=VLLM_SUFFIX)
 
 
 def survival_gate(certain: int) -> GatePredictor:

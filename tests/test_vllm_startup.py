@@ -8,7 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from controller.engines.vllm_hybrid import HvdStartupError, HybridState, check_parallelism
+from controller.engines.vllm_hybrid import HvdStartupError, HybridState, cache_config, check_parallelism
+from predictor.drafting.cache_drafter import SuffixConfig
+from predictor.drafting.features import schema_hash
 from storage.migrate import upgrade
 
 
@@ -52,3 +54,23 @@ def test_parallelism_is_refused_before_the_database_is_touched(monkeypatch):
     monkeypatch.setenv("HVD_DATABASE_URL", "postgresql+psycopg2://nobody@127.0.0.1:1/none")
     with pytest.raises(HvdStartupError, match="tensor_parallel_size 2"):
         HybridState(_runner(tp=2))
+
+
+def test_the_cache_drafts_at_the_shape_the_predictor_was_trained_on():
+    """vLLM's speculative config sizes the trees; its suffix proposer's draft shape does not reach
+    HVD's cache, whose shape is in the feature schema the champion was checked against."""
+    spec = _runner().speculative_config
+    spec.suffix_decoding_max_spec_factor, spec.suffix_decoding_min_token_prob = 2.5, 0.3
+    config = cache_config(spec, 24)
+    assert (config.max_tree_depth, config.max_cached_requests, config.num_speculative_tokens) == (24, 100, 24)
+    assert (config.max_spec_factor, config.min_token_prob) == (SuffixConfig().max_spec_factor, 0.1) == (4.0, 0.1)
+
+
+def test_the_draft_shape_is_part_of_the_feature_schema(monkeypatch):
+    from predictor.drafting import cache_drafter
+
+    before = schema_hash()
+    monkeypatch.setattr(cache_drafter.SuffixConfig.__init__, "__defaults__",
+                        (24, 10000, 1.0, 0.1, 24))  # vLLM's shape: a gate trained on it is another schema
+    assert cache_drafter.SuffixConfig().max_spec_factor == 1.0
+    assert schema_hash() != before

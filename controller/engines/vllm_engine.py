@@ -21,7 +21,9 @@ MODEL_FP32 = MODELS / "smollm2-135m-fp32"
 EAGLE_HEAD = REPO_ROOT / "models" / "eagle3-smollm2-135m"
 EAGLE_HEAD_RANDOM = MODELS / "smollm2-eagle3-random"
 
-K_MAX = 16  # longest cache draft verified (vLLM's suffix defaults rarely exceed ~12)
+# The longest cache draft verified: vLLM's suffix default (its tree depth, 24), the drafts the
+# predictor was trained on and its survival head's positions (HVD's drafts reach 4x their match)
+K_MAX = 24
 MODEL_DRAFT_LEN = 3
 # The EAGLE3 head's greedy pick as an argmax over its 8,192-token draft vocabulary, then d2t, instead
 # of vLLM's default: scatter the draft logits into a 49,152-wide tensor of -inf (index arithmetic

@@ -63,6 +63,15 @@ def check_parallelism(parallel_config) -> None:
             f"(scale out with more replicas on one database instead), or unset HVD_HYBRID for vLLM's own drafter")
 
 
+def cache_config(spec, k_max: int) -> SuffixConfig:
+    """HVD's suffix cache under vLLM's speculative config: the trees' size is vLLM's to set; the
+    drafts' shape (`max_spec_factor`, `min_token_prob`) is the one HVD's predictor was trained on (it
+    is in the feature schema), whatever vLLM's own suffix proposer would use."""
+    return SuffixConfig(max_tree_depth=spec.suffix_decoding_max_tree_depth,
+                        max_cached_requests=spec.suffix_decoding_max_cached_requests,
+                        num_speculative_tokens=k_max)
+
+
 class HybridState:
     """The runtime, its services and the glue for one model runner."""
 
@@ -90,13 +99,7 @@ class HybridState:
                 f"(HVD_DATABASE_URL names it), or unset HVD_HYBRID to serve without HVD") from exc
         tokenizer_file = Path(runner.model_config.tokenizer) / "tokenizer.json"
         tokenizer = TraceTokenizer(tokenizer_file if tokenizer_file.is_file() else None)
-        suffix = SuffixConfig(
-            max_tree_depth=spec.suffix_decoding_max_tree_depth,
-            max_cached_requests=spec.suffix_decoding_max_cached_requests,
-            max_spec_factor=spec.suffix_decoding_max_spec_factor,
-            min_token_prob=spec.suffix_decoding_min_token_prob,
-            num_speculative_tokens=self.k_max,
-        )
+        suffix = cache_config(spec, self.k_max)
         self.settings = settings
         self._meta: dict[str, RequestMetadata] = {}  # per running request, parsed when first seen
         # Every replica follows the control plane (overrides apply from the first step: one poll

@@ -9,7 +9,7 @@ draft through this class, so the labels the predictor learns from are the drafts
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -26,11 +26,15 @@ TREE_GLOBAL = 2
 
 @dataclass(frozen=True)
 class SuffixConfig:
-    """vLLM's suffix defaults (`SpeculativeConfig`, method="suffix")."""
+    """The cache's shape: vLLM's suffix defaults (`SpeculativeConfig`, method="suffix") but for how
+    far a draft may run past its match. vLLM's suffix method verifies every draft whole, so it caps a
+    draft at the match's length (`max_spec_factor` 1); HVD cuts each draft where its predictor says
+    the next token stops paying, so it asks the cache for up to 4 times the match and lets the cut
+    decide (docs/results/figures.md, "Wider drafts"). `VLLM_SUFFIX` is vLLM's own shape, the baseline."""
 
     max_tree_depth: int = 24
     max_cached_requests: int = 10000
-    max_spec_factor: float = 1.0
+    max_spec_factor: float = 4.0
     min_token_prob: float = 0.1
     num_speculative_tokens: int = 24
 
@@ -43,6 +47,13 @@ class SuffixConfig:
             )
         if not 0.0 <= self.min_token_prob <= 1.0:
             raise ValueError(f"min_token_prob must be in [0, 1], got {self.min_token_prob}")
+        if self.max_spec_factor < 0.0:
+            raise ValueError(f"max_spec_factor must be >= 0, got {self.max_spec_factor}")
+
+
+# The drafts vLLM's `method="suffix"` makes (its SpeculativeConfig defaults): what the simulator's
+# `suffix` and `arctic` baselines verify, as `bench/vllm_methods.py`'s suffix server does.
+VLLM_SUFFIX = SuffixConfig(max_spec_factor=1.0)
 
 
 class CacheDraft(NamedTuple):
@@ -73,9 +84,9 @@ class CacheDrafter:
             max_tree_depth=self.config.max_tree_depth,
             max_cached_requests=self.config.max_cached_requests,
         )
-        cfg = self.config
-        # vLLM's speculate arguments, by position (max_spec_offset 0, no tree speculation)
-        self._args = (cfg.num_speculative_tokens, cfg.max_spec_factor, 0.0, cfg.min_token_prob, False)
+        self._args = _speculate_args(self.config)
+        self._vllm_args = _speculate_args(replace(self.config, max_spec_factor=VLLM_SUFFIX.max_spec_factor,
+                                                  min_token_prob=VLLM_SUFFIX.min_token_prob))
 
     def start(self, req_id: Hashable, prompt_token_ids: np.ndarray | Sequence[int]) -> None:
         """Begin a request; a finished request's cached response under the same id is evicted first."""
@@ -93,10 +104,7 @@ class CacheDrafter:
 
     def draft(self, req_id: Hashable, context: np.ndarray) -> CacheDraft:
         """Draft after `context` (the request's prompt + output so far; only its tail is matched)."""
-        cache = self._cache
-        pattern = _as_int32(context[-self.config.max_tree_depth :])
-        d_prompt = _speculate(cache._local_trees[req_id], pattern, *self._args)
-        d_global = _speculate(cache._global_tree, pattern, *self._args)
+        d_prompt, d_global = self._both_trees(req_id, context, self._args)
         if d_prompt.score >= d_global.score:
             best, other, tree = d_prompt, d_global, TREE_PROMPT
         else:
@@ -108,10 +116,28 @@ class CacheDrafter:
         return CacheDraft(token_ids, best.probs, best.score, best.match_len, tree, other.score, len(other_ids),
                           lcp(token_ids, other_ids))
 
+    def vllm_draft(self, req_id: Hashable, context: np.ndarray) -> tuple[list[int], float]:
+        """(tokens, score) of the draft vLLM's suffix method would make here (`VLLM_SUFFIX`'s shape, the
+        better tree, prompt tree on ties): the baseline offline replay labels beside HVD's draft."""
+        d_prompt, d_global = self._both_trees(req_id, context, self._vllm_args)
+        best = d_prompt if d_prompt.score >= d_global.score else d_global
+        return best.token_ids, best.score
+
+    def _both_trees(self, req_id: Hashable, context: np.ndarray, args: tuple) -> tuple:
+        """(the prompt tree's draft, the global tree's) after `context`, drafted with `args`."""
+        pattern = _as_int32(context[-self.config.max_tree_depth :])
+        return (_speculate(self._cache._local_trees[req_id], pattern, *args),
+                _speculate(self._cache._global_tree, pattern, *args))
+
+
+def _speculate_args(cfg: SuffixConfig) -> tuple:
+    """vLLM's speculate arguments, by position (max_spec_offset 0, no tree speculation)."""
+    return (cfg.num_speculative_tokens, cfg.max_spec_factor, 0.0, cfg.min_token_prob, False)
+
 
 # Where this module reaches into SuffixDecodingCache's trees (arctic-inference 0.3.0, pinned by the
-# Makefile): `draft` queries the request's prompt tree and the global tree separately with exactly
-# the arguments vLLM uses (its `speculate` returns only the better of the two drafts; the gate needs
+# Makefile): `draft` queries the request's prompt tree and the global tree separately with vLLM's
+# arguments (HVD's `max_spec_factor`; its `speculate` returns only the better of the two drafts; the gate needs
 # both; the native call takes them by position), and `_extend_trees` appends
 # tokens as its `add_active_response` does, without that wrapper's per-call checks (the runtime
 # appends a token at a time, per request, every step).

@@ -24,11 +24,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from predictor.drafting.cache_drafter import TREE_GLOBAL, TREE_PROMPT, CacheDraft
+from predictor.drafting.cache_drafter import TREE_GLOBAL, TREE_PROMPT, CacheDraft, SuffixConfig
 from predictor.drafting.token_classes import BRACKET, DIGIT, NEWLINE, QUOTE, TokenClasses
 from storage.workloads import WORKLOADS
 
-FEATURE_SCHEMA_VERSION = 5  # 4: the engine's signals; 5: of them only whether the text is on-policy
+FEATURE_SCHEMA_VERSION = 6  # 4: the engine's signals; 5: of them only whether the text is on-policy; 6: drafts up to 4x the match (SuffixConfig)
 MAX_NESTING = 8
 
 
@@ -150,8 +150,11 @@ NUM_FEATURES = len(FEATURE_NAMES)
 
 
 def schema_hash() -> str:
-    """sha256 over the version, the column names and the workload list."""
-    text = json.dumps({"version": FEATURE_SCHEMA_VERSION, "names": FEATURE_NAMES, "workloads": WORKLOADS})
+    """sha256 over the version, the column names, the workload list and the shape of the drafts the
+    columns describe (a gate trained on shorter drafts never saw where longer ones fail)."""
+    shape = SuffixConfig()
+    text = json.dumps({"version": FEATURE_SCHEMA_VERSION, "names": FEATURE_NAMES, "workloads": WORKLOADS,
+                       "drafts": [shape.max_spec_factor, shape.min_token_prob]})
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -5,6 +5,7 @@ predictor's own quality and the calibration of its survival curves. The JSON rep
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -26,6 +27,7 @@ ORACLE_LENGTH_GAP = 0.10  # hvd's overall ms_per_1k within this of oracle-length
 RELIABILITY_GAP = 0.03  # |mean predicted S(j) - observed| at every draft position j
 EXPENSIVE_SETTINGS = ("cpu-smollm2/b8", "gpu-8b/b64")  # where verification is dear: hvd must beat the oracle gate
 BASELINES = ("suffix", "model", "arctic", *RIVALS)
+VLLM_DRAFTS = ("suffix", "arctic")  # the policies simulated on vLLM's suffix drafts (ReplayResult.vllm_len)
 RELIABILITY_KEY = "survival_reliability"  # the predictor's entry in `checks` (the others are drafter profiles)
 _GATE_CHUNK = 1 << 16
 SIMULATED_NOTE = ("Model-drafter figures are SIMULATED (a chain drafter with a stated per-token acceptance); "
@@ -89,6 +91,10 @@ def evaluate(data: Dataset, gate: GatePredictor, drafters: Sequence[DrafterProfi
         match_len=rp.features[rows, FEATURE_NAMES.index("match_len")].astype(np.int64),
         token_prob=conditional_matrix(rp.token_probs, rp.draft_len, POSITIONS, rows),
     )
+    # vLLM's suffix method and ArcticInference's rule verify the drafts vLLM's suffix shape makes, not
+    # the longer ones HVD asks the cache for (cache_drafter.VLLM_SUFFIX)
+    vllm_sim = replace(sim, draft_len=rp.vllm_len[rows].astype(np.int64), label=rp.vllm_label[rows].astype(np.int64),
+                       score=rp.vllm_score[rows])
     has = sim.draft_len > 0
     gate_quality = metrics_by_workload(predicted[has], sim.label[has].astype(np.float64), rp.workload[sim.trace][has])
     reliability = (survival_reliability(survival[has], sim.draft_len[has], sim.label[has])
@@ -112,9 +118,10 @@ def evaluate(data: Dataset, gate: GatePredictor, drafters: Sequence[DrafterProfi
     groups = {w: t for w, t in groups.items() if len(t)}
     for drafter in drafters:
         model_acc = model_accepted(len(sim.trace), drafter, seed, sim.trace_workload[sim.trace])
-        simulator = Simulator(sim, drafter, model_acc)
+        simulators = {False: Simulator(sim, drafter, model_acc), True: Simulator(vllm_sim, drafter, model_acc)}
         policies = {}
         for policy in POLICIES:
+            simulator = simulators[policy in VLLM_DRAFTS]
             fig = _aggregate(simulator.per_trace(policy, cost, decide), rp.workload, cost)
             ms = {name: _ms_per_1k(simulator, policy, c, b, groups, decide) for name, (c, b) in zip(names, settings)}
             for key in ("ms_per_1k", "decode_ms_per_1k"):

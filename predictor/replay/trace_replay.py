@@ -19,6 +19,7 @@ import numpy as np
 from predictor.data.tokens import TraceTokenizer
 from predictor.data.traces import TraceRecord
 from predictor.drafting.cache_drafter import CacheDrafter, SuffixConfig
+from predictor.drafting.common_prefix import lcp
 from predictor.drafting.features import NUM_FEATURES, DraftContext, feature_matrix
 from predictor.drafting.hindsight import Hindsight
 from predictor.drafting.token_classes import token_classes
@@ -51,6 +52,12 @@ class ReplayResult:
     # lead is kept (whole drafts would dwarf the other arrays): enough to compare each draft with the
     # model drafter's, which is no longer (bench/eagle_agreement.py)
     lead_tokens: np.ndarray = field(default_factory=lambda: np.zeros((0, LEAD_TOKENS), dtype=np.int32))
+    # The draft vLLM's suffix method would have made at the row (cache_drafter.VLLM_SUFFIX: HVD asks
+    # the cache for longer ones): its length, accepted length and score, what the simulator's
+    # `suffix` and `arctic` baselines verify
+    vllm_len: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int16))
+    vllm_label: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int16))
+    vllm_score: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
 
     @property
     def rows(self) -> int:
@@ -106,6 +113,9 @@ class _TraceRows:
     features: np.ndarray
     token_probs: np.ndarray
     lead_tokens: np.ndarray  # int32 (rows, LEAD_TOKENS): the draft's first tokens, -1 past its end
+    vllm_len: np.ndarray
+    vllm_label: np.ndarray
+    vllm_score: np.ndarray
 
 
 def _replay_one(drafter: CacheDrafter, record: TraceRecord, trace: int, tokenizer: TraceTokenizer) -> _TraceRows:
@@ -118,6 +128,8 @@ def _replay_one(drafter: CacheDrafter, record: TraceRecord, trace: int, tokenize
                         on_policy=record.engine is not None)
     rows: list[DraftContext] = []
     labels = [0] * max(n - 1, 0)  # per position t >= 1
+    vllm = np.zeros((max(n - 1, 0), 3), dtype=np.float64)  # per position t >= 1: length, accepted, score
+    out_list = [int(x) for x in out]
     for t in range(n):
         token = out[t : t + 1]
         drafter.extend(req_id, token)
@@ -128,6 +140,9 @@ def _replay_one(drafter: CacheDrafter, record: TraceRecord, trace: int, tokenize
             rows.append(request.draft_context(draft))
             if draft.token_ids:
                 request.add(draft)
+            v_tokens, v_score = drafter.vllm_draft(req_id, request.tokens)
+            if v_tokens:
+                vllm[t] = (len(v_tokens), lcp(v_tokens, out_list[t + 1 : t + 1 + len(v_tokens)]), v_score)
     for d, y in request.finish():
         labels[d.position - 1] = y
     drafter.stop(req_id)
@@ -138,7 +153,8 @@ def _replay_one(drafter: CacheDrafter, record: TraceRecord, trace: int, tokenize
                       np.fromiter((d.score for d in drafts), dtype=np.float32, count=len(drafts)),
                       feature_matrix(rows, token_classes(tokenizer)),
                       np.fromiter((p for d in drafts for p in d.probs), dtype=np.float32),
-                      lead_tokens([d.token_ids for d in drafts]))
+                      lead_tokens([d.token_ids for d in drafts]),
+                      vllm[:, 0].astype(np.int16), vllm[:, 1].astype(np.int16), vllm[:, 2].astype(np.float32))
 
 
 def lead_tokens(drafts: Sequence[Sequence[int]]) -> np.ndarray:
@@ -169,4 +185,7 @@ def _concat(parts: list[_TraceRows], records: list[TraceRecord], output_len: np.
         output_len=output_len,
         lead_tokens=cat("lead_tokens", np.int32, (0, LEAD_TOKENS)),
         workload=workload,
+        vllm_len=cat("vllm_len", np.int16),
+        vllm_label=cat("vllm_label", np.int16),
+        vllm_score=cat("vllm_score", np.float32),
     )

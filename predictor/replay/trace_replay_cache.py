@@ -20,9 +20,9 @@ from predictor.drafting.cache_drafter import SuffixConfig
 from predictor.drafting.features import schema_hash
 from predictor.replay.trace_replay import ProgressFn, ReplayResult, replay
 
-REPLAY_VERSION = 5  # 2: token_probs; 3: recorded engine tokens; 4: first_token; 5: lead_tokens. Bump when replay semantics change without a feature schema change
+REPLAY_VERSION = 6  # 2: token_probs; 3: recorded engine tokens; 4: first_token; 5: lead_tokens; 6: vLLM's own draft beside HVD's. Bump when replay semantics change without a feature schema change
 DEFAULT_CACHE_DIR = REPO_ROOT / "var" / "cache"
-_ARRAYS = ("trace", "position", "draft_len", "label", "score", "features", "output_len", "workload", "token_probs", "lead_tokens")
+_ARRAYS = ("trace", "position", "draft_len", "label", "score", "features", "output_len", "workload", "token_probs", "lead_tokens", "vllm_len", "vllm_label", "vllm_score")
 
 
 def replay_key(records: Sequence[TraceRecord], config: SuffixConfig) -> str:

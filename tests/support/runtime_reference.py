@@ -6,8 +6,8 @@ allocator at batch 1 and above, a fixed tau, the binary and ArcticInference rule
 true lengths) while every call into the runtime is recorded: the step inputs, the finished requests,
 the cache resets. Replaying those calls into a fresh runtime must give the same plans, labelled
 events, statistics handed to the sink, metrics counted and counters. The reference was written by
-the runtime before its per-step time was cut (issue 27); write it again only for a change meant to
-alter decisions:
+the runtime before its per-step time was cut (issue 27) and written again for the wider drafts (feature
+schema 6, 2026-12-07); write it again only for a change meant to alter decisions:
 
     .venv/bin/python tests/support/runtime_reference.py   # writes tests/data/runtime_reference.json.xz
 """
