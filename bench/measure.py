@@ -21,6 +21,12 @@ DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 SPEC_COUNTERS = (DRAFTS, DRAFT_TOKENS, ACCEPTED)
+# vLLM observes one inter-token latency per request per decode step that emitted tokens (not per
+# token): its count is the served decode steps, its sum their wall time. vLLM's ACCEPTED counts a
+# draft's accepted tokens before it cuts a request at max_tokens or a stop, so with long drafts
+# `tokens - accepted` under-counts the steps; this count does not.
+STEP_LATENCY = "vllm:inter_token_latency_seconds"
+STEP_COUNTERS = (f"{STEP_LATENCY}_count", f"{STEP_LATENCY}_sum")
 
 
 def rotations(items: Sequence[T], reps: int) -> list[list[T]]:
@@ -71,6 +77,11 @@ class SpecRun:
     # servers the mean milliseconds of a decode step by part (hvd_step_seconds: target, hvd, drafter, rest, total).
     cpu_seconds: dict[str, float] | None = None
     step_ms: dict[str, float] | None = None
+    # Served runs: the target forwards summed over requests as vLLM counted them (its decode steps
+    # that emitted tokens, plus each request's prefill), and their mean wall time between a request's
+    # outputs in ms (STEP_LATENCY): what `tokens - accepted` stands in for elsewhere.
+    served_steps: int | None = None
+    step_wall_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.tokens <= 0 or self.seconds <= 0:
@@ -84,13 +95,21 @@ class SpecRun:
         return self.tokens / self.seconds
 
     @property
+    def emitted_accepted(self) -> int:
+        """Accepted draft tokens the requests kept: vLLM's count less those past a request's end,
+        where the steps were counted (served runs)."""
+        return self.accepted if self.served_steps is None else max(0, min(self.accepted, self.tokens - self.served_steps))
+
+    @property
     def rejected(self) -> int:
-        return self.draft_tokens - self.accepted
+        """Draft tokens verified in vain: rejected, or accepted past the request's end."""
+        return self.draft_tokens - self.emitted_accepted
 
     @property
     def decode_steps(self) -> int:
-        """Target forwards summed over requests: each emits one token plus what it accepted."""
-        return self.tokens - self.accepted
+        """Target forwards summed over requests: as the server counted them where it did
+        (`served_steps`), else output tokens less accepted ones (each emits one plus what it accepted)."""
+        return self.tokens - self.accepted if self.served_steps is None else self.served_steps
 
     def per_1k(self, count: int) -> float:
         return 1000.0 * count / self.tokens
@@ -98,15 +117,18 @@ class SpecRun:
     def figures(self) -> dict[str, float]:
         """Per 1000 output tokens: decode steps, drafts, draft tokens, accepted and rejected ones."""
         return {"steps": self.per_1k(self.decode_steps), "drafts": self.per_1k(self.drafts),
-                "draft_tokens": self.per_1k(self.draft_tokens), "accepted": self.per_1k(self.accepted),
+                "draft_tokens": self.per_1k(self.draft_tokens), "accepted": self.per_1k(self.emitted_accepted),
                 "rejected": self.per_1k(self.rejected)}
 
     def raw(self) -> str:
         decode = "" if self.decode_tps is None else f", decode {self.decode_tps:.2f} tok/s per request"
         if self.decode_pooled_tps is not None:
             decode += f" ({self.decode_pooled_tps:.2f} pooled)"
+        steps = "" if self.served_steps is None else f", steps {self.served_steps}"
+        if self.step_wall_ms is not None:
+            steps += f" ({self.step_wall_ms:.1f} ms apart)"
         return (f"{self.tokens} tok/{self.seconds:.2f} s, drafts {self.drafts}, draft tok {self.draft_tokens}, "
-                f"accepted {self.accepted}{decode}")
+                f"accepted {self.accepted}{steps}{decode}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -124,6 +146,17 @@ def pooled_decode_rate(decoded: Sequence[tuple[int, float]]) -> float | None:
 def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
     """The spec-decode counters' growth between two readings (a counter never seen counts as 0)."""
     return {name: int(round(after.get(name, 0.0) - before.get(name, 0.0))) for name in SPEC_COUNTERS}
+
+
+def served_steps(before: str, after: str, requests: int) -> tuple[int | None, float | None]:
+    """(target forwards summed over `requests`, mean ms between a request's outputs) from two /metrics
+    pages of a vLLM server (STEP_LATENCY; each request's prefill counts one forward); (None, None)
+    where the server reported no decode step between them."""
+    b, a = prometheus_counters(before, STEP_COUNTERS), prometheus_counters(after, STEP_COUNTERS)
+    count = int(round(a[STEP_COUNTERS[0]] - b[STEP_COUNTERS[0]]))
+    if count <= 0:
+        return None, None
+    return count + requests, 1000.0 * (a[STEP_COUNTERS[1]] - b[STEP_COUNTERS[1]]) / count
 
 
 def run_from(tokens: int, seconds: float, deltas: dict[str, int]) -> SpecRun:

@@ -8,9 +8,15 @@ tau) and HVD with plain decoding as the fallback.
 
 Decode steps per 1000 tokens counts, per request, the target forwards it took part in:
 (output tokens - accepted draft tokens) per 1000 output tokens (the first token, from prefill,
-counts as one). Every (method, batch size, preload) runs in its own process: a fresh engine, an
-empty suffix cache (engines started later in one process ran measurably slower), and LD_PRELOAD
-set or not at its start (it only acts on a new process). Repetitions interleave the methods, the
+counts as one); for --server, vLLM's own count of each request's decode steps (its inter-token
+latency histogram, one observation per step) plus one prefill each, since vLLM counts a draft's
+accepted tokens before it cuts a request at max_tokens: with long drafts the subtraction under-counts
+the steps. There the accepted column is what the requests kept (output tokens - steps) and the
+rejected one every draft token verified in vain.
+
+Every (method, batch size, preload) runs in its own process: a fresh engine, an empty suffix cache
+(engines started later in one process ran measurably slower), and LD_PRELOAD set or not at its
+start (it only acts on a new process). Repetitions interleave the methods, the
 order rotated each time; medians with min-max are printed, the raw counts beside them. Prompts come
 from the sessions the evaluation holds out (neither the gate nor the EAGLE3 head trained on them).
 The hybrids read the champion predictor from HVD_DATABASE_URL (default var/hvd.db).
@@ -49,7 +55,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from measure import (SPEC_COUNTERS, SpecRun, counter_deltas, pooled_decode_rate, prometheus_counters,  # noqa: E402
-                     rotations, run_from, spread, step_part_ms, verdict)
+                     rotations, run_from, served_steps, spread, step_part_ms, verdict)
 from process_cpu import ROLES, cpu_delta, group_cpu  # noqa: E402
 
 from controller.engines import vllm_engine as ve  # noqa: E402
@@ -218,8 +224,10 @@ def drive(port: int, prompts: list[tuple[str, list[int]]], concurrency: int, max
     run = run_from(sum(t for t, _ in done), seconds, counter_deltas(prometheus_counters(before),
                                                                     prometheus_counters(after)))
     decoded = [d for _, d in done if d is not None]
+    steps, apart = served_steps(before, after, len(prompts))
     return replace(run, decode_tps=statistics.median([t / s for t, s in decoded]) if decoded else None,
-                   decode_pooled_tps=pooled_decode_rate(decoded), cpu_seconds=cpu, step_ms=step_part_ms(before, after))
+                   decode_pooled_tps=pooled_decode_rate(decoded), cpu_seconds=cpu, step_ms=step_part_ms(before, after),
+                   served_steps=steps, step_wall_ms=apart)
 
 
 def server_run(method: str, concurrency: int, preload: bool, args: argparse.Namespace,
