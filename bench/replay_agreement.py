@@ -197,7 +197,6 @@ def fitted_profile(name: str, runs: dict[str, list[dict]], prior_name: str) -> C
              for b, q, sec in r["samples"]]
     model = fit_steps(steps, prior)
     fit = model.current
-    a, b, c, _, _ = fit.coefficients
     head = [r["live"] for m in EAGLE_METHODS for r in runs.get(m, []) if r.get("live") and r["live"]["drafter_samples"]]
     d, e = ((statistics.median(h["draft_call_ms"] for h in head), statistics.median(h["draft_token_ms"] for h in head))
             if head else (prior.draft_call_ms, prior.draft_token_ms))
@@ -205,7 +204,7 @@ def fitted_profile(name: str, runs: dict[str, list[dict]], prior_name: str) -> C
                else f"drafter costs the prior {prior.name}'s")
     return replace(model.profile(name), draft_call_ms=d, draft_token_ms=e, batch8_draft_token_ms=e,
                    description=f"fitted on the {len(steps)} decode-only steps of the bench's runs without the EAGLE3 "
-                               f"head: t = {a:.3f} + {b:.3f} batch + {c:.4f} query tokens ms, median absolute "
+                               f"head: {fit.formula()} (drafter terms replaced below), median absolute "
                                f"percentage error {100 * fit.median_relative_error:.1f}%; {drafter}")
 
 

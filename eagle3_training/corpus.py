@@ -63,12 +63,14 @@ def prompts(records: Sequence[TraceRecord], held_out: bool, max_prompt_tokens: i
     return [Prompt(r.trace_id, r.workload, render(r, tokenizer, max_prompt_tokens)) for r in chosen]
 
 
-def held_out_prompts(workloads: Sequence[str], per_workload: int, max_tokens: int = 1000) -> list[tuple[str, list[int]]]:
+def held_out_prompts(workloads: Sequence[str], per_workload: int, max_tokens: int = 1000,
+                     held_out: bool = True) -> list[tuple[str, list[int]]]:
     """Bundled prompts of the sessions the evaluation holds out (neither the gate nor the EAGLE3
-    head trained on them), interleaved across `workloads`: (workload, token ids)."""
+    head trained on them), interleaved across `workloads`: (workload, token ids). held_out=False:
+    the training split's instead (a bench's warm-up, which must not be the measured prompts)."""
     from predictor.data.traces import bundled_traces_path, load_traces
 
     records, _ = load_traces([bundled_traces_path()])
-    chosen = prompts(records, held_out=True, max_prompt_tokens=max_tokens, workloads=workloads,
+    chosen = prompts(records, held_out=held_out, max_prompt_tokens=max_tokens, workloads=workloads,
                      limit=per_workload * len(workloads))
     return [(p.workload, list(p.token_ids)) for p in chosen]

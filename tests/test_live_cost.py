@@ -1,16 +1,20 @@
 """The live cost model against a simulated clock: it recovers a noisy step-time line with pauses, keeps
 the prior where the window says nothing, forgets an old machine within one window, refuses bad
-samples, and the CostProfile it produces is its line exactly at every batch size."""
+samples, and the CostProfile it produces is its line exactly at every batch size; on a CPU's steps,
+flat until the query tokens' compute outgrows the weights' read, it finds the compute floor, and only
+where the steps show one."""
 from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from predictor.decision import live_cost
 from predictor.decision.live_cost import (MIN_BASE_MS, LiveCostError, LiveCostModel, StepSample, _bounded_solve,
                                           prior_coefficients)
 from predictor.decision.profiles import CostProfile, cost_profiles
@@ -269,3 +273,87 @@ def test_pauses_do_not_drag_the_fit():
     x = np.array([[1.0, s.batch, s.query_tokens, s.model_k > 0, s.model_k] for s in samples])
     plain = np.linalg.lstsq(x, np.array([s.seconds * 1000.0 for s in samples]), rcond=None)[0]
     assert _median_relative_error(_line(plain, batch, query, k), held_out) > 0.2
+
+
+class KneeClock(Clock):
+    """A CPU's steps: the line (a, b, c, d, e) until the query tokens' compute outgrows it, then
+    `floor` ms per query token (before the drafter's part), as `bench/vllm_cost_curve.py` measured
+    at batch 1 on these cores (flat to ~6 query tokens, then ~3 ms a token)."""
+
+    def __init__(self, truth, floor: float, seed: int, batches=(1,), max_per_request: int = 25, **kw) -> None:
+        super().__init__(truth, seed, **kw)
+        self.floor, self.batches, self.max_per_request = floor, np.asarray(batches), max_per_request
+
+    def inputs(self, n: int):
+        batch = self.rng.choice(self.batches, n)
+        query = batch * self.rng.integers(1, self.max_per_request + 1, n)
+        k = np.where(self.rng.random(n) < 0.3, 0, self.rng.integers(1, 4, n)) if self.drafter else np.zeros(n, int)
+        return batch, query, k
+
+    def line(self, batch, query, k) -> np.ndarray:
+        drafter = _line([0.0, 0.0, 0.0, *self.truth[3:]], batch, query, k)
+        return np.maximum(_line([*self.truth[:3], 0.0, 0.0], batch, query, k), self.floor * np.asarray(query)) + drafter
+
+
+def test_the_fit_finds_a_cpus_compute_floor_and_prices_past_the_knee():
+    clock = KneeClock([28.8, 0.2, 0.2, 1.6, 1.75], floor=3.05, seed=11)
+    model = LiveCostModel(cost_profiles()["cpu-smollm2"])
+    _feed(model, clock.steps(2000))
+    fit = model.current
+    assert fit.floor_ms_per_token == pytest.approx(3.05, rel=0.03)
+    assert fit.formula().startswith("t = max(") and "3.05" in fit.formula()
+    profile = model.profile("live")
+    assert profile.compute_ms_per_token == fit.floor_ms_per_token and "max(" in profile.description
+    query = np.arange(1, 26)
+    truth = clock.line(np.ones_like(query), query, np.zeros_like(query))
+    priced = profile.step_ms(1, query)
+    assert np.max(np.abs(priced / truth - 1)) < 0.05  # on both sides of the knee
+    assert np.allclose(model.predict_ms(1, query), priced, rtol=1e-12)
+    # the line the fit had before (no floor) is 15-20% off at both ends: what the allocator priced with
+    line = LiveCostModel(cost_profiles()["cpu-smollm2"], window=2000, min_samples=2000, refit_every=2000)
+    theta, _ = live_cost._robust_fit(model._xt, model._ms, line.prior_theta, line.prior_weight)
+    line_ms = _line(theta, 1, query, 0)
+    assert abs(line_ms[0] / truth[0] - 1) > 0.1 and abs(line_ms[-1] / truth[-1] - 1) > 0.1
+
+
+def test_a_window_short_of_the_knee_keeps_the_priors_floor():
+    """Steps of up to 7 query tokens never reach the floor at ~10: the fit cannot see it and must not
+    invent one (the allocator then tries longer drafts, and their steps show the knee)."""
+    model = LiveCostModel(cost_profiles()["cpu-smollm2"])
+    _feed(model, KneeClock([28.8, 0.2, 0.2, 1.6, 1.75], floor=3.05, seed=12, max_per_request=7).steps(2000))
+    assert model.current.floor_ms_per_token == 0.0 and model.profile("live").compute_ms_per_token == 0.0
+    floored = replace(PRIOR, compute_ms_per_token=0.5)  # a prior's floor the steps never reach stays
+    again = LiveCostModel(floored)
+    _feed(again, KneeClock([28.8, 0.2, 0.2, 1.6, 1.75], floor=3.05, seed=12, max_per_request=7).steps(2000))
+    assert again.current.floor_ms_per_token == 0.5
+
+
+def test_a_priors_floor_the_steps_refute_is_dropped():
+    """A prior from a compute-bound machine (floor 4 ms a query token) on steps that lie on a line far
+    below it: no floor explains them better."""
+    model = LiveCostModel(replace(PRIOR, compute_ms_per_token=4.0))
+    _feed(model, Clock([20.0, 1.0, 0.5, 2.0, 1.0], seed=13).steps(2000))
+    assert model.current.floor_ms_per_token == 0.0
+    assert model.current.coefficients[:3] == pytest.approx((20.0, 1.0, 0.5), rel=0.1)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(base=st.floats(10.0, 60.0), per_request=st.floats(0.0, 3.0), slope=st.floats(0.0, 0.5),
+       knee=st.floats(5.0, 14.0), seed=st.integers(0, 2**32 - 1))
+def test_a_floor_is_recovered_wherever_the_knee_lies(base, per_request, slope, knee, seed):
+    """Batches 1 to 4, the knee at `knee` query tokens at batch 1, 3% noise and 5% pauses: the
+    floor is found within 5%, and the profile prices held-out steps within 4% (median) on each side
+    of the knee."""
+    floor = (base + per_request) / knee + slope
+    clock = KneeClock([base, per_request, slope, 1.6, 1.75], floor=floor, seed=seed, batches=(1, 2, 4))
+    model = LiveCostModel(cost_profiles()["cpu-smollm2"])
+    _feed(model, clock.steps(2000))
+    assert model.current.floor_ms_per_token == pytest.approx(floor, rel=0.05)
+    batch, query, k = clock.inputs(1000)
+    truth = clock.line(batch, query, k)
+    priced = _profile_ms(model.profile("live"), batch, query, k)
+    assert np.allclose(model.predict_ms(batch, query, k), priced, rtol=1e-12)
+    on_floor = floor * query > base + per_request * batch + slope * query
+    for side in (on_floor, ~on_floor):
+        if side.sum() >= 20:
+            assert _median_relative_error(priced[side], truth[side]) < 0.04

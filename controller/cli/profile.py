@@ -125,10 +125,9 @@ def report_lines(m: Measurement, profile: CostProfile, fit: LiveFit, prior: Cost
     for (batch, n), ms in median_ms(m.steps).items():
         rows.append(f"  {batch:6d} {n:4d} {ms:8.1f} ms {profile.step_ms(batch, batch * n):7.1f} ms "
                     f"{prior.step_ms(batch, batch * n):7.1f} ms")
-    a, b, c, _, _ = fit.coefficients
     per_batch = "; ".join(f"batch {batch}: t(n) = {base:.2f} + {slope:.3f} n" for batch in m.plan.batches
                           for base, slope in [batch_line(fit, batch)])
-    rows.append(f"hvd profile: t = {a:.3f} + {b:.3f} batch + {c:.4f} query tokens ms ({per_batch}), median absolute "
+    rows.append(f"hvd profile: {fit.formula()} ({per_batch}), median absolute "
                 f"percentage error {100 * fit.median_relative_error:.1f}%")
     return rows
 

@@ -124,6 +124,7 @@ class HybridState:
         # The allocator prices steps with what this engine's steps cost (the named profile until
         # the fit has enough decode steps); HVD_LIVE_COST=0 keeps the named profile.
         self.live_cost = LiveCostModel(decision.cost) if settings.live_cost else None
+        self._live_floored: bool | None = None  # the live fit's last floor state, for the log
         self.recorder = None
         if settings.record:
             self.recorder = TraceRecorder(settings.record, tokenizer, replica=self.stack.writer.replica,
@@ -233,11 +234,22 @@ class HybridState:
                 self.stack.step_costs.add(t)
             if self.live_cost is not None and step.decode:
                 if self.live_cost.observe(StepSample(t.batch, t.query_tokens, t.model_k, t.total)):
-                    self.runtime.set_cost(self.live_cost.profile(f"live-{self.stack.writer.replica}"))
+                    self._price_with_live_fit()
         except (StepTimingError, LiveCostError) as exc:  # a timer gone wrong must not stop serving
             if not self._timing_failed:
                 self._timing_failed = True
                 log.exception("HVD step timing failed (logged once); serving goes on: %s", exc)
+
+
+    def _price_with_live_fit(self) -> None:
+        """Price the next steps with the live fit; say so in the log at the first fit and whenever the
+        compute floor comes or goes (a refit every 200 steps would flood it)."""
+        fit = self.live_cost.current
+        self.runtime.set_cost(self.live_cost.profile(f"live-{self.stack.writer.replica}"))
+        floored = fit.floor_ms_per_token > 0
+        if floored != self._live_floored:
+            log.info("HVD prices steps with this engine's own step times (%d steps): %s", fit.samples, fit.formula())
+            self._live_floored = floored
 
 
 def _valid_sampled_lists(runner, sampled_token_ids) -> list[list[int]]:

@@ -205,10 +205,14 @@ def batch_line(fit: LiveFit, batch: int) -> tuple[float, float]:
     return a + b * batch, c * batch
 
 
+def _floor_note(fit: LiveFit) -> str:
+    return (f"; at least {fit.floor_ms_per_token:.3f} ms per query token: the compute floor"
+            if fit.floor_ms_per_token > 0 else "")
+
+
 def describe(m: Measurement, fit: LiveFit, prior: CostProfile, prior_weight: float) -> str:
     """What was measured, where, how it was fitted, and which figures are not measured."""
     p = m.plan
-    a, b, c, _, _ = fit.coefficients
     medians = median_ms(m.steps)
     per_batch = "; ".join(
         f"batch {batch}: " + ", ".join(f"n={n} {ms:.1f}" for (bb, n), ms in medians.items() if bb == batch)
@@ -225,10 +229,9 @@ def describe(m: Measurement, fit: LiveFit, prior: CostProfile, prior_weight: flo
             f"n = {', '.join(map(str, p.query))} query tokens per request, {p.steps} timed steps each after "
             f"{p.warmup} warm-up steps: {len(m.steps)} decode steps fitted"
             + (f" ({m.skipped} not decode-only left out)" if m.skipped else "")
-            + f". Median ms per step: {per_batch}. Robust line (predictor.decision.live_cost, prior "
+            + f". Median ms per step: {per_batch}. Robust fit (predictor.decision.live_cost, prior "
             f"{prior.name} worth {prior_weight:g} step{'s' if prior_weight != 1 else ''} per coefficient): "
-            f"t = {a:.3f} + {b:.3f} batch + "
-            f"{c:.4f} query tokens ms ({lines}), median absolute percentage error "
+            f"{fit.formula()} ({lines}{_floor_note(fit)}), median absolute percentage error "
             f"{100 * fit.median_relative_error:.1f}%.{one_batch} draft_call_ms and draft_token_ms are the prior "
             f"{prior.name}'s, NOT measured (the forced proposer drafts for free).")
 

@@ -28,6 +28,20 @@ window identifies only weakly is still pulled much of the way to the prior: with
 5 in 150 drafter steps, noiseless, d + e * k at the usual k is fitted but the split between d and
 e is not (a true d = 7, e = 0 came out 3.2 and 1.2 against the prior's 2.9 and 3.2).
 
+Why a floor: on a CPU a step's time is not a line in its query tokens. At batch 1 the target reads
+its weights once whatever the step verifies, and its arithmetic hides under that read until the
+query tokens' compute outgrows it: 1 to 6 query tokens cost alike, each one past about 10 some 3 ms
+(bench/vllm_cost_curve.py, docs/results/figures.md). A line through such steps prices a draft's
+first tokens too dear and its last ones too cheap, and the allocator verifies past the knee. So the
+fit may add a compute floor f: t = max(a + b * batch + c * query_tokens, f * query_tokens) + d * [k > 0]
++ e * k, which is a CostProfile's own `compute_ms_per_token`. The floor is fitted by alternation
+(`_fit_floor`): the steps the floor prices above the line are the floor's, f is the median of their
+time per query token net of the drafter, the line is refitted on the rest, until the split stops
+moving. It is kept only where it explains the window clearly better than the prior's floor (a
+bounded relative error 10% and 0.5 points lower, FLOOR_GAIN): a window of steps that all lie on
+one line, or that never reach the knee, keeps the prior's floor (0 for a profile without one), so
+a floor is never extrapolated from steps that do not show it.
+
 Constraints: every coefficient is >= 0 and a >= MIN_BASE_MS (CostProfile requires base_ms > 0): the
 bounded ridge problem is solved exactly in each reweighting round by an active-set method
 (Lawson-Hanson on the 5 x 5 normal equations), not by clipping.
@@ -52,6 +66,11 @@ from predictor.decision.profiles import CostProfile
 COEFFICIENTS = ("a_ms", "b_ms_per_request", "c_ms_per_query_token", "d_draft_call_ms", "e_ms_per_draft_token")
 MIN_BASE_MS = 1e-6  # the fitted a is kept >= this: CostProfile needs base_ms = a + b > 0
 HUBER_K = 1.345  # 95% efficiency under Gaussian noise
+# A fitted floor replaces the prior's only when it lowers the window's mean bounded relative error
+# (`_bounded_error`) to below FLOOR_GAIN[0] times the prior's and by FLOOR_GAIN[1] at least.
+FLOOR_GAIN = (0.9, 0.005)
+FLOOR_ROUNDS = 8
+MIN_FLOOR_STEPS = 20  # steps on each side of the knee, at least, for a floor to be fitted
 MAX_ROUNDS = 30
 TOLERANCE = 1e-6  # stop when no coefficient moves a typical step by more than this (relative)
 # The grid the prior's own step_ms is fitted on: the batch sizes serving runs at, 1 to 17 query
@@ -99,10 +118,20 @@ class LiveFit:
     median_relative_error: float
     fitted_at: int
     rounds: int
+    floor_ms_per_token: float = 0.0
 
     def predict_ms(self, batch: "int | np.ndarray", query_tokens: "int | np.ndarray",
                    model_k: "int | np.ndarray" = 0) -> "float | np.ndarray":
-        return _line(np.asarray(self.coefficients), batch, query_tokens, model_k)
+        out = _model(np.asarray(self.coefficients), self.floor_ms_per_token, _design(batch, query_tokens, model_k))
+        return float(out) if out.ndim == 0 else out
+
+    def formula(self) -> str:
+        """The fitted step time as a formula in ms, for descriptions and reports."""
+        a, b, c, d, e = self.coefficients
+        line = f"{a:.3f} + {b:.3f} batch + {c:.4f} query tokens"
+        if self.floor_ms_per_token > 0:
+            line = f"max({line}, {self.floor_ms_per_token:.3f} query tokens)"
+        return f"t = {line} + {d:.3f} [k > 0] + {e:.3f} k ms"
 
 
 def _design(batch: "int | np.ndarray", query_tokens: "int | np.ndarray", model_k: "int | np.ndarray") -> np.ndarray:
@@ -111,10 +140,13 @@ def _design(batch: "int | np.ndarray", query_tokens: "int | np.ndarray", model_k
     return np.stack([np.ones_like(b), b, q, (k > 0).astype(np.float64), k], axis=-1)
 
 
-def _line(theta: np.ndarray, batch: "int | np.ndarray", query_tokens: "int | np.ndarray",
-          model_k: "int | np.ndarray") -> "float | np.ndarray":
-    out = _design(batch, query_tokens, model_k) @ theta
-    return float(out) if out.ndim == 0 else out
+def _model(theta: np.ndarray, floor: float, rows: np.ndarray) -> np.ndarray:
+    """Step times in ms of design rows (..., 5): the line, floored at `floor` ms per query token
+    before the drafter's part is added."""
+    target = rows[..., :3] @ theta[:3]
+    if floor > 0:
+        target = np.maximum(target, floor * rows[..., 2])
+    return target + rows[..., 3:] @ theta[3:]
 
 
 def prior_coefficients(prior: CostProfile) -> np.ndarray:
@@ -193,6 +225,7 @@ class LiveCostModel:
         self.min_samples = min_samples
         self.prior_weight = float(prior_weight)
         self.prior_theta = prior_coefficients(prior)
+        self.prior_floor = float(prior.compute_ms_per_token)
         self._xt = np.zeros((5, window))  # ring buffer of design columns [1, batch, q, called, k]
         self._ms = np.zeros(window)
         self.observed = 0  # steps observed in all; the next one goes to row observed % window
@@ -221,10 +254,10 @@ class LiveCostModel:
             return None
         n = min(self.observed, self.window)
         xt, ms = self._xt[:, :n], self._ms[:n]
-        theta, rounds = _robust_fit(xt, ms, self.prior_theta, self.prior_weight)
-        error = float(np.median(np.abs(ms - theta @ xt) / ms))
+        theta, floor, rounds = _fit_with_floor(xt, ms, self.prior_theta, self.prior_floor, self.prior_weight)
+        error = float(np.median(np.abs(ms - _model(theta, floor, xt.T)) / ms))
         self.current = LiveFit(tuple(float(v) for v in theta), n, int(np.count_nonzero(xt[3])), error,
-                               self.observed, rounds)
+                               self.observed, rounds, floor)
         return self.current
 
     def predict_ms(self, batch: "int | np.ndarray", query_tokens: "int | np.ndarray",
@@ -241,11 +274,12 @@ class LiveCostModel:
         return float(out) if out.ndim == 0 else out
 
     def profile(self, name: str) -> CostProfile:
-        """The CostProfile that is the fitted line at every batch size: step_line(B) gives base a + b*B
-        (base_ms = a + b at batch 1, batch8_base_ms = a + 8b, interpolated linearly) and per query
-        token c (the per-request slope c at batch 1, 8c at batch 8, so c*B at batch B, divided by B);
-        draft_ms gives d + e*k (the same e at batch 1 and 8); no compute floor. base_ms > 0 holds
-        because the fit keeps a >= MIN_BASE_MS. Before min_samples: the prior unchanged."""
+        """The CostProfile that is the fitted step time at every batch size: step_line(B) gives base
+        a + b*B (base_ms = a + b at batch 1, batch8_base_ms = a + 8b, interpolated linearly) and per
+        query token c (the per-request slope c at batch 1, 8c at batch 8, so c*B at batch B, divided
+        by B); the floor is compute_ms_per_token; draft_ms gives d + e*k (the same e at batch 1 and
+        8). base_ms > 0 holds because the fit keeps a >= MIN_BASE_MS. Before min_samples: the prior
+        unchanged."""
         if self.current is None:
             return self.prior
         key = (name, self.current.fitted_at)
@@ -257,12 +291,11 @@ class LiveCostModel:
             self._profile = CostProfile(
                 name, base_ms=a + b, per_token_ms=c, draft_token_ms=e,
                 description=(f"LIVE fit of the last {fit.samples} engine steps (window {self.window}, fitted at step "
-                             f"{fit.fitted_at}; {drafter}): t = {a:.3f} + {b:.3f} batch + {c:.3f} query tokens "
-                             f"+ {d:.3f} [k > 0] + {e:.3f} k ms, median absolute percentage error "
+                             f"{fit.fitted_at}; {drafter}): {fit.formula()}, median absolute percentage error "
                              f"{100 * fit.median_relative_error:.1f}%; prior {self.prior.name} worth "
                              f"{self.prior_weight:g} steps"),
                 batch8_base_ms=a + 8 * b, batch8_per_token_ms=8 * c, batch8_draft_token_ms=e,
-                draft_call_ms=d, compute_ms_per_token=0.0)
+                draft_call_ms=d, compute_ms_per_token=fit.floor_ms_per_token)
             self._profile_key = key
         return self._profile
 
@@ -319,3 +352,59 @@ def _robust_fit(xt: np.ndarray, ms: np.ndarray, prior: np.ndarray, prior_weight:
         if rounds > 1 and moved < TOLERANCE:
             break
     return theta, rounds
+
+
+def _bounded_error(theta: np.ndarray, floor: float, xt: np.ndarray, ms: np.ndarray) -> float:
+    """The window's mean relative error |measured - fitted| / min(both), each step's capped at 1:
+    a pause counts once, however long, so two candidate fits are compared on the steps they explain."""
+    fitted = _model(theta, floor, xt.T)
+    return float(np.mean(np.minimum(np.abs(ms - fitted) / np.minimum(ms, fitted), 1.0)))
+
+
+def _fit_floor(xt: np.ndarray, ms: np.ndarray, theta: np.ndarray, prior: np.ndarray,
+               prior_weight: float) -> tuple[np.ndarray, float, int] | None:
+    """The line and compute floor that explain the window, by alternation from the `theta` line
+    (theta, floor, rounds), or None where either side of the knee holds fewer than MIN_FLOOR_STEPS.
+
+    Start: the floor through the quarter of the steps with the most query tokens (the median of
+    their time per query token, net of the drafter). Then the steps the floor prices above the line
+    are the floor's; f is again the median over them, the line is refitted (`_robust_fit`) on the
+    others; until no step changes side. A window with no knee drives the knee past its last steps and
+    ends with too few steps on the floor."""
+    q = xt[2]
+    drafter = theta[3] * xt[3] + theta[4] * xt[4]
+    top = q >= np.quantile(q, 0.75)
+    floor = float(np.median((ms[top] - drafter[top]) / q[top]))
+    rounds = 0
+    side = None
+    for _ in range(FLOOR_ROUNDS):
+        on_floor = floor * q > theta[:3] @ xt[:3]
+        if min(int(np.count_nonzero(on_floor)), int(np.count_nonzero(~on_floor))) < MIN_FLOOR_STEPS:
+            return None
+        if side is not None and np.array_equal(side, on_floor):
+            break
+        side = on_floor
+        theta, more = _robust_fit(xt[:, ~on_floor], ms[~on_floor], prior, prior_weight)
+        rounds += more
+        drafter = theta[3] * xt[3] + theta[4] * xt[4]
+        floor = float(np.median((ms[on_floor] - drafter[on_floor]) / q[on_floor]))
+    return theta, max(floor, 0.0), rounds
+
+
+def _fit_with_floor(xt: np.ndarray, ms: np.ndarray, prior: np.ndarray, prior_floor: float,
+                    prior_weight: float) -> tuple[np.ndarray, float, int]:
+    """(theta, floor, rounds): the robust line with the prior's floor, unless no floor or the line and
+    floor the window shows (`_fit_floor`) explain the window clearly better (FLOOR_GAIN)."""
+    line, rounds = _robust_fit(xt, ms, prior, prior_weight)
+    challengers = [(line, 0.0)] if prior_floor > 0 else []
+    found = _fit_floor(xt, ms, line, prior, prior_weight)
+    if found is not None:
+        challengers.append(found[:2])
+        rounds += found[2]
+    kept = _bounded_error(line, prior_floor, xt, ms)
+    best, best_error = (line, prior_floor), kept
+    for theta, floor in challengers:
+        error = _bounded_error(theta, floor, xt, ms)
+        if error < FLOOR_GAIN[0] * kept and kept - error > FLOOR_GAIN[1] and error < best_error:
+            best, best_error = (theta, floor), error
+    return best[0], best[1], rounds
