@@ -69,7 +69,8 @@ from eagle3_training.corpus import held_out_prompts  # noqa: E402
 BENCH_WORKLOADS = ("agentic", "code_edit", "sql")
 HYBRID_METHODS = ("hvd", "hvd-binary", "hvd-none")
 SERVER_METHODS = ("none", "ngram", "suffix", "eagle3", "hvd")
-SERVED_BY_HVD = {"hvd": "model", "hvd-none": "none", "hvd-off-policy": "model", **{m: "model" for m in ve.RIVAL_METHODS}}  # `hvd serve --fallback ...`
+SERVED_BY_HVD = {"hvd": "model", "hvd-none": "none", "hvd-off-policy": "model", "hvd-line": "model",
+                 **{m: "model" for m in ve.RIVAL_METHODS}}  # `hvd serve --fallback ...`
 PRELOAD_CHOICES = {"on": (True,), "off": (False,), "both": (True, False)}
 # Targets from the allocator issue: HVD against the best non-HVD method's tokens/s, per batch size.
 SPEED_GOALS = {1: 1.0, 8: 1.15}
@@ -145,11 +146,12 @@ def server_command(method: str, port: int, preload: bool, database_url: str,
                         rule=ve.method_env(method)["HVD_RULE"] or "allocator" if method in SERVED_BY_HVD else "allocator")
     if method in SERVED_BY_HVD:
         argv, env = command(opts)
-        on_policy = ve.method_env(method)["HVD_ON_POLICY"]
-        if on_policy is None:
-            env.pop("HVD_ON_POLICY", None)
-        else:
-            env["HVD_ON_POLICY"] = on_policy
+        wanted = ve.method_env(method)
+        for name in ("HVD_ON_POLICY", "HVD_LIVE_COST_FLOOR"):  # the variants of the hybrid
+            if wanted[name] is None:
+                env.pop(name, None)
+            else:
+                env[name] = wanted[name]
         return argv, env
     if method not in ve.METHODS or method in ve.HYBRIDS:
         raise ValueError(f"--server runs {sorted(SERVED_BY_HVD)} through `hvd serve` and the baselines {SERVER_METHODS} through "

@@ -357,3 +357,12 @@ def test_a_floor_is_recovered_wherever_the_knee_lies(base, per_request, slope, k
     for side in (on_floor, ~on_floor):
         if side.sum() >= 20:
             assert _median_relative_error(priced[side], truth[side]) < 0.04
+
+
+def test_without_the_floor_the_fit_stays_a_line():
+    """HVD_LIVE_COST_FLOOR=0: the same steps, the line alone (the prior's floor, 0 here)."""
+    clock = KneeClock([28.8, 0.2, 0.2, 1.6, 1.75], floor=3.05, seed=11)
+    model = LiveCostModel(cost_profiles()["cpu-smollm2"], floor=False)
+    _feed(model, clock.steps(2000))
+    assert model.current.floor_ms_per_token == 0.0 and model.profile("live").compute_ms_per_token == 0.0
+    assert not model.current.formula().startswith("t = max(")

@@ -123,7 +123,7 @@ class HybridState:
         self._timing_failed = False
         # The allocator prices steps with what this engine's steps cost (the named profile until
         # the fit has enough decode steps); HVD_LIVE_COST=0 keeps the named profile.
-        self.live_cost = LiveCostModel(decision.cost) if settings.live_cost else None
+        self.live_cost = LiveCostModel(decision.cost, floor=settings.live_cost_floor) if settings.live_cost else None
         self._live_floored: bool | None = None  # the live fit's last floor state, for the log
         self.recorder = None
         if settings.record:

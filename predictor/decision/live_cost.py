@@ -212,7 +212,7 @@ class LiveCostModel:
     it has `min_samples` steps, `profile` is the fitted line, before that the prior unchanged."""
 
     def __init__(self, prior: CostProfile, window: int = 2000, refit_every: int = 200, min_samples: int = 200,
-                 prior_weight: float = 20.0) -> None:
+                 prior_weight: float = 20.0, floor: bool = True) -> None:
         if not 1 <= min_samples <= window:
             raise LiveCostError(f"min_samples must be in [1, window {window}], got {min_samples}")
         if refit_every < 1:
@@ -226,6 +226,7 @@ class LiveCostModel:
         self.prior_weight = float(prior_weight)
         self.prior_theta = prior_coefficients(prior)
         self.prior_floor = float(prior.compute_ms_per_token)
+        self.floor = floor  # False: the line alone (HVD_LIVE_COST_FLOOR=0), the prior's floor kept as it is
         self._xt = np.zeros((5, window))  # ring buffer of design columns [1, batch, q, called, k]
         self._ms = np.zeros(window)
         self.observed = 0  # steps observed in all; the next one goes to row observed % window
@@ -254,7 +255,10 @@ class LiveCostModel:
             return None
         n = min(self.observed, self.window)
         xt, ms = self._xt[:, :n], self._ms[:n]
-        theta, floor, rounds = _fit_with_floor(xt, ms, self.prior_theta, self.prior_floor, self.prior_weight)
+        if self.floor:
+            theta, floor, rounds = _fit_with_floor(xt, ms, self.prior_theta, self.prior_floor, self.prior_weight)
+        else:
+            (theta, rounds), floor = _robust_fit(xt, ms, self.prior_theta, self.prior_weight), self.prior_floor
         error = float(np.median(np.abs(ms - _model(theta, floor, xt.T)) / ms))
         self.current = LiveFit(tuple(float(v) for v in theta), n, int(np.count_nonzero(xt[3])), error,
                                self.observed, rounds, floor)
