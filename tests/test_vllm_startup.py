@@ -74,3 +74,34 @@ def test_the_draft_shape_is_part_of_the_feature_schema(monkeypatch):
                         (24, 10000, 1.0, 0.1, 24))  # vLLM's shape: a gate trained on it is another schema
     assert cache_drafter.SuffixConfig().max_spec_factor == 1.0
     assert schema_hash() != before
+
+
+def test_hvds_log_lines_go_where_vllms_go(monkeypatch):
+    """The plugin hands the `hvd` logger vLLM's handlers (else Python shows warnings only and the
+    hybrid's start-up and live-cost lines are lost); a deployment's own handler is kept."""
+    import logging
+
+    from controller.engines.vllm_plugin import route_logs
+
+    hvd, vllm_log = logging.getLogger("hvd"), logging.getLogger("vllm")
+    for logger in (hvd, vllm_log):
+        monkeypatch.setattr(logger, "handlers", [])
+        monkeypatch.setattr(logger, "level", logging.NOTSET)
+        monkeypatch.setattr(logger, "propagate", True)
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(f"{record.name} {record.getMessage()}")
+
+    vllm_log.addHandler(Collect())
+    vllm_log.setLevel(logging.INFO)
+    route_logs()
+    logging.getLogger("hvd.vllm").info("HVD prices steps with this engine's own step times (%d steps)", 200)
+    logging.getLogger("hvd.vllm").debug("not at INFO")
+    assert seen == ["hvd.vllm HVD prices steps with this engine's own step times (200 steps)"]
+    assert hvd.propagate is False
+    own = logging.NullHandler()
+    monkeypatch.setattr(hvd, "handlers", [own])
+    route_logs()
+    assert hvd.handlers == [own]

@@ -65,7 +65,24 @@ def register() -> None:
     check_version()
     settings = ServingSettings.from_env()  # a bad value stops vLLM now, not at its first decoding step
     check_requests(settings)
+    route_logs()
     install()
+
+
+def route_logs() -> None:
+    """HVD's log lines in vLLM's log, formatted and levelled like vLLM's own: the `hvd` logger gets
+    the handlers vLLM gave its `vllm` logger when it was imported. Without them Python's last-resort
+    handler shows warnings only, and the hybrid's start-up and live-cost lines would be lost. A
+    deployment that configured `hvd` itself (a handler of its own) keeps its configuration."""
+    import logging
+
+    hvd, vllm_log = logging.getLogger("hvd"), logging.getLogger("vllm")
+    if hvd.handlers or not vllm_log.handlers:
+        return
+    for handler in vllm_log.handlers:
+        hvd.addHandler(handler)
+    hvd.setLevel(vllm_log.level or logging.INFO)
+    hvd.propagate = False
 
 
 def check_version() -> None:
