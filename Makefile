@@ -123,6 +123,7 @@ bench: setup
 	$(PY) bench/outage.py
 	$(PY) bench/tenants_at_scale.py
 	$(PY) bench/rival_estimator_fit.py
+	$(PY) bench/live_cost_fit.py
 	$(PY) bench/vllm_cost_curve.py --model $(MODEL_BF16)
 	$(PY) bench/vllm_cost_curve.py --dtype both --batches 1,8 --query 1,4,16 --reps 3 --json var/bench-dtype.json
 	$(PY) -m eagle3_training.acceptance --json var/eagle3-acceptance.json

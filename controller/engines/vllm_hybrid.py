@@ -240,7 +240,6 @@ class HybridState:
                 self._timing_failed = True
                 log.exception("HVD step timing failed (logged once); serving goes on: %s", exc)
 
-
     def _price_with_live_fit(self) -> None:
         """Price the next steps with the live fit; say so in the log at the first fit and whenever the
         compute floor comes or goes (a refit every 200 steps would flood it)."""

