@@ -1,5 +1,5 @@
 """What the live cost fit costs a replica: the time of one refit of a full window, with the compute
-floor (the default) and without (HVD_LIVE_COST_FLOOR=0), on steps that lie on a line and on steps
+floor (HVD_LIVE_COST_FLOOR=1) and without (the default), on steps that lie on a line and on steps
 with a knee, and what that comes to per decode step (a refit every `refit_every` steps).
 
 The plugin refits on the decode path, once per 200 steps (controller/engines/vllm_hybrid.py), so a

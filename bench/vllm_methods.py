@@ -69,7 +69,7 @@ from eagle3_training.corpus import held_out_prompts  # noqa: E402
 BENCH_WORKLOADS = ("agentic", "code_edit", "sql")
 HYBRID_METHODS = ("hvd", "hvd-binary", "hvd-none")
 SERVER_METHODS = ("none", "ngram", "suffix", "eagle3", "hvd")
-SERVED_BY_HVD = {"hvd": "model", "hvd-none": "none", "hvd-off-policy": "model", "hvd-line": "model",
+SERVED_BY_HVD = {"hvd": "model", "hvd-none": "none", "hvd-off-policy": "model", "hvd-floor": "model",
                  **{m: "model" for m in ve.RIVAL_METHODS}}  # `hvd serve --fallback ...`
 PRELOAD_CHOICES = {"on": (True,), "off": (False,), "both": (True, False)}
 # Targets from the allocator issue: HVD against the best non-HVD method's tokens/s, per batch size.

@@ -67,8 +67,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "step-cost profile of the allocator and the goodput rule"),
     Setting("HVD_LIVE_COST", parse_flag, True,
             "price steps with this engine's own step times (a live fit; the cost profile is its prior)"),
-    Setting("HVD_LIVE_COST_FLOOR", parse_flag, True,
-            "let the live fit add a compute floor (ms per query token) where the steps show one (0: a line)"),
+    Setting("HVD_LIVE_COST_FLOOR", parse_flag, False,
+            "let the live fit add a compute floor (ms per query token) where the steps show one "
+            "(0: a line, the cost profile's floor kept)"),
     Setting("HVD_DRAFTER_PROFILE", one_of("predictor.decision.profiles:drafter_profiles"), "eagle3-smollm2",
             "model-drafter profile: the prior of its live per-workload survival curve"),
     Setting("HVD_PROFILES_FILE", text, None,

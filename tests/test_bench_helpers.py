@@ -312,7 +312,7 @@ def test_method_table_has_hvd_binary():
     assert ve.method_env("hvd-binary") == {"HVD_HYBRID": "1", "HVD_RULE": "binary", "HVD_MODEL_DRAFT_LEN": "3",
                                            "HVD_ON_POLICY": None, "HVD_LIVE_COST_FLOOR": None}
     assert ve.method_env("hvd-off-policy")["HVD_ON_POLICY"] == "0"  # the hybrid with on_policy off
-    assert ve.method_env("hvd-line")["HVD_LIVE_COST_FLOOR"] == "0"  # the hybrid whose live fit stays a line
+    assert ve.method_env("hvd-floor")["HVD_LIVE_COST_FLOOR"] == "1"  # the hybrid whose live fit may add a floor
     assert ve.method_env("hvd")["HVD_RULE"] is None  # the runtime's default rule
     assert ve.speculative_config("hvd-binary") == ve.speculative_config("hvd")
     # the cut bench/eagle_overhead.py measured, for every EAGLE3-based method alike
@@ -361,8 +361,8 @@ def test_baseline_server_is_the_same_server_without_the_plugin(monkeypatch):
     none_argv, none_env = vllm_methods.server_command("hvd-none", 8123, False, "sqlite:///x.db")
     assert none_env["HVD_FALLBACK"] == "none" and hvd_env["HVD_FALLBACK"] == "model"
     assert none_argv[none_argv.index("--speculative-config") + 1] == suffix[suffix.index("--speculative-config") + 1]
-    line_argv, line_env = vllm_methods.server_command("hvd-line", 8123, False, "sqlite:///x.db")
-    assert line_env["HVD_LIVE_COST_FLOOR"] == "0" and "HVD_LIVE_COST_FLOOR" not in hvd_env and line_argv == hvd_argv
+    floor_argv, floor_env = vllm_methods.server_command("hvd-floor", 8123, False, "sqlite:///x.db")
+    assert floor_env["HVD_LIVE_COST_FLOOR"] == "1" and "HVD_LIVE_COST_FLOOR" not in hvd_env and floor_argv == hvd_argv
 
 
 @pytest.mark.parametrize(("flags", "native"), [("fpu avx2 fma", False), ("avx2 avx512f avx512_bf16", True),

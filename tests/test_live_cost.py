@@ -297,7 +297,7 @@ class KneeClock(Clock):
 
 def test_the_fit_finds_a_cpus_compute_floor_and_prices_past_the_knee():
     clock = KneeClock([28.8, 0.2, 0.2, 1.6, 1.75], floor=3.05, seed=11)
-    model = LiveCostModel(cost_profiles()["cpu-smollm2"])
+    model = LiveCostModel(cost_profiles()["cpu-smollm2"], floor=True)
     _feed(model, clock.steps(2000))
     fit = model.current
     assert fit.floor_ms_per_token == pytest.approx(3.05, rel=0.03)
@@ -319,11 +319,11 @@ def test_the_fit_finds_a_cpus_compute_floor_and_prices_past_the_knee():
 def test_a_window_short_of_the_knee_keeps_the_priors_floor():
     """Steps of up to 7 query tokens never reach the floor at ~10: the fit cannot see it and must not
     invent one (the allocator then tries longer drafts, and their steps show the knee)."""
-    model = LiveCostModel(cost_profiles()["cpu-smollm2"])
+    model = LiveCostModel(cost_profiles()["cpu-smollm2"], floor=True)
     _feed(model, KneeClock([28.8, 0.2, 0.2, 1.6, 1.75], floor=3.05, seed=12, max_per_request=7).steps(2000))
     assert model.current.floor_ms_per_token == 0.0 and model.profile("live").compute_ms_per_token == 0.0
     floored = replace(PRIOR, compute_ms_per_token=0.5)  # a prior's floor the steps never reach stays
-    again = LiveCostModel(floored)
+    again = LiveCostModel(floored, floor=True)
     _feed(again, KneeClock([28.8, 0.2, 0.2, 1.6, 1.75], floor=3.05, seed=12, max_per_request=7).steps(2000))
     assert again.current.floor_ms_per_token == 0.5
 
@@ -331,7 +331,7 @@ def test_a_window_short_of_the_knee_keeps_the_priors_floor():
 def test_a_priors_floor_the_steps_refute_is_dropped():
     """A prior from a compute-bound machine (floor 4 ms a query token) on steps that lie on a line far
     below it: no floor explains them better."""
-    model = LiveCostModel(replace(PRIOR, compute_ms_per_token=4.0))
+    model = LiveCostModel(replace(PRIOR, compute_ms_per_token=4.0), floor=True)
     _feed(model, Clock([20.0, 1.0, 0.5, 2.0, 1.0], seed=13).steps(2000))
     assert model.current.floor_ms_per_token == 0.0
     assert model.current.coefficients[:3] == pytest.approx((20.0, 1.0, 0.5), rel=0.1)
@@ -346,7 +346,7 @@ def test_a_floor_is_recovered_wherever_the_knee_lies(base, per_request, slope, k
     of the knee."""
     floor = (base + per_request) / knee + slope
     clock = KneeClock([base, per_request, slope, 1.6, 1.75], floor=floor, seed=seed, batches=(1, 2, 4))
-    model = LiveCostModel(cost_profiles()["cpu-smollm2"])
+    model = LiveCostModel(cost_profiles()["cpu-smollm2"], floor=True)
     _feed(model, clock.steps(2000))
     assert model.current.floor_ms_per_token == pytest.approx(floor, rel=0.05)
     batch, query, k = clock.inputs(1000)
@@ -359,10 +359,16 @@ def test_a_floor_is_recovered_wherever_the_knee_lies(base, per_request, slope, k
             assert _median_relative_error(priced[side], truth[side]) < 0.04
 
 
-def test_without_the_floor_the_fit_stays_a_line():
-    """HVD_LIVE_COST_FLOOR=0: the same steps, the line alone (the prior's floor, 0 here)."""
+def test_without_the_floor_the_fit_stays_a_line_and_keeps_the_priors_floor():
+    """By default (HVD_LIVE_COST_FLOOR unset): the same steps, the line alone; a prior's floor is
+    kept as it is (the live profile used to drop it at its first refit)."""
     clock = KneeClock([28.8, 0.2, 0.2, 1.6, 1.75], floor=3.05, seed=11)
-    model = LiveCostModel(cost_profiles()["cpu-smollm2"], floor=False)
+    model = LiveCostModel(cost_profiles()["cpu-smollm2"])
     _feed(model, clock.steps(2000))
     assert model.current.floor_ms_per_token == 0.0 and model.profile("live").compute_ms_per_token == 0.0
     assert not model.current.formula().startswith("t = max(")
+    gpu = cost_profiles()["gpu-8b"]
+    assert gpu.compute_ms_per_token > 0
+    kept = LiveCostModel(gpu)
+    _feed(kept, clock.steps(200))
+    assert kept.profile("live").compute_ms_per_token == gpu.compute_ms_per_token

@@ -19,7 +19,7 @@ NAME = re.compile(r"\bHVD_[A-Z0-9_]+\b")
 def test_defaults():
     s = ServingSettings.from_env({})
     assert s == ServingSettings(
-        database_url=None, fallback=None, model_draft_len=3, cost_profile="cpu-smollm2", live_cost=True, live_cost_floor=True,
+        database_url=None, fallback=None, model_draft_len=3, cost_profile="cpu-smollm2", live_cost=True, live_cost_floor=False,
         drafter_profile="eagle3-smollm2", max_running=None, backoff="none", fixed_tau=None, rule="allocator",
         on_policy=True, eagle_warm=False, default_workload="chat", default_tenant="default", learn=False, record=None,
         record_max_requests=10000,

