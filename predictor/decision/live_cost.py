@@ -116,7 +116,8 @@ class LiveFit:
     """One fit of the window: the coefficients (a, b, c, d, e) in ms (COEFFICIENTS), the steps it
     used, how many of them called the drafter (0: d and e are the prior's), the median of
     |measured - fitted| / measured over the window, the sample index (steps observed so far) at
-    which it was fitted, and the reweighting rounds it took."""
+    which it was fitted, the reweighting rounds it took, and the compute floor in ms per query token
+    (the prior's unless fitted; 0: none)."""
 
     coefficients: tuple[float, float, float, float, float]
     samples: int
