@@ -74,7 +74,7 @@ def test_benchmarked_methods_configure_engine_and_plugin():
     assert ve.speculative_config("hvd")["num_speculative_tokens"] == ve.K_MAX
     assert ve.method_env("eagle3")["HVD_HYBRID"] is None
     assert ve.method_env("arctic") == {"HVD_HYBRID": "1", "HVD_RULE": "arctic", "HVD_MODEL_DRAFT_LEN": "3",
-                                       "HVD_ON_POLICY": None}
+                                       "HVD_ON_POLICY": None, "HVD_LIVE_COST_FLOOR": None}
     assert ve.method_env("hvd")["HVD_RULE"] is None
     with pytest.raises(ValueError, match="unknown method 'medusa'"):
         ve.method_env("medusa")
