@@ -302,3 +302,17 @@ def test_the_cli_is_one_line_and_exit_2_without_touching_a_database(tmp_path, ca
     err = capsys.readouterr().err
     assert err.startswith("hvd profile: error: cost profile 'gpu-8b' is a bundled one") and err.count("\n") == 1
     assert not (tmp_path / "var" / "hvd.db").exists()
+
+
+def test_hvd_profile_fits_a_compute_floor_where_the_steps_show_one():
+    """Off the decode path the floor is free: `hvd profile`'s fit looks for one (the live fit, by
+    default, keeps the prior's), and the measured profile carries it."""
+    rng = np.random.default_rng(3)
+    query = np.repeat(np.arange(1, 25), 10)
+    ms = np.maximum(28.8 + 0.2 * query, 3.05 * query) * np.exp(rng.normal(0.0, 0.02, len(query)))
+    steps = [StepSample(1, int(q), 0, float(t) / 1000.0) for q, t in zip(query, ms)]
+    model = fit_steps(steps, cost_profiles()["cpu-smollm2"])
+    assert model.current.floor_ms_per_token == pytest.approx(3.05, rel=0.03)
+    assert model.profile("here").compute_ms_per_token == model.current.floor_ms_per_token
+    line = fit_steps([StepSample(1, int(q), 0, (25.0 + 1.2 * q) / 1000.0) for q in query], cost_profiles()["cpu-smollm2"])
+    assert line.current.floor_ms_per_token == 0.0
