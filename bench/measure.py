@@ -82,6 +82,9 @@ class SpecRun:
     # outputs in ms (STEP_LATENCY): what `tokens - accepted` stands in for elsewhere.
     served_steps: int | None = None
     step_wall_ms: float | None = None
+    # Served runs: each request's workload and decoding (tokens after the first, seconds after the
+    # first), in prompt order, for per-workload and per-request comparisons across methods.
+    requests: list[tuple[str, int, float]] | None = None
 
     def __post_init__(self) -> None:
         if self.tokens <= 0 or self.seconds <= 0:

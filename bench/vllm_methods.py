@@ -236,9 +236,10 @@ def drive(port: int, prompts: list[tuple[str, list[int]]], concurrency: int, max
                                                                     prometheus_counters(after)))
     decoded = [d for _, d in done if d is not None]
     steps, apart = served_steps(before, after, len(prompts))
+    requests = [(w, d[0], d[1]) for (w, _), (_, d) in zip(prompts, done) if d is not None]
     return replace(run, decode_tps=statistics.median([t / s for t, s in decoded]) if decoded else None,
                    decode_pooled_tps=pooled_decode_rate(decoded), cpu_seconds=cpu, step_ms=step_part_ms(before, after),
-                   served_steps=steps, step_wall_ms=apart)
+                   served_steps=steps, step_wall_ms=apart, requests=requests)
 
 
 def server_run(method: str, concurrency: int, preload: bool, args: argparse.Namespace,

@@ -2,6 +2,7 @@
 targets) and the LD_PRELOAD the vLLM processes start with. No engine runs here."""
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -383,3 +384,10 @@ def test_the_server_warm_up_is_training_prompts_never_the_measured_ones():
     assert [w for w, _ in warm] == list(vllm_methods.BENCH_WORKLOADS) * 2  # balanced, interleaved
     assert not {tuple(ids) for _, ids in warm} & {tuple(ids) for _, ids in measured}
     assert vllm_methods.warmup_prompts(0) == []
+
+
+def test_a_served_runs_requests_survive_its_json():
+    run = measure.SpecRun(tokens=40, seconds=2.0, drafts=12, draft_tokens=60, accepted=35,
+                          requests=[("sql", 19, 0.5), ("agentic", 19, 0.25)])
+    back = measure.SpecRun(**json.loads(json.dumps(run.to_dict())))
+    assert [tuple(r) for r in back.requests] == run.requests and back.figures() == run.figures()
