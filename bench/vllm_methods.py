@@ -243,7 +243,7 @@ def drive(port: int, prompts: list[tuple[str, list[int]]], concurrency: int, max
 
 
 def server_run(method: str, concurrency: int, preload: bool, args: argparse.Namespace,
-               prompts: list[tuple[str, list[int]]]) -> SpecRun:
+               prompts: list[tuple[str, list[int]]], warmup: list[tuple[str, list[int]]]) -> SpecRun:
     port = _free_port()
     argv, env = server_command(method, port, preload, os.environ["HVD_DATABASE_URL"], args.dtype)
     log = ve.REPO_ROOT / "var" / "bench-server" / f"{method}-c{concurrency}-{'pre' if preload else 'nopre'}.log"
@@ -253,7 +253,7 @@ def server_run(method: str, concurrency: int, preload: bool, args: argparse.Name
     try:
         _wait_ready(proc, port, log)
         return drive(port, prompts, concurrency, args.max_tokens, pgid=proc.pid,  # start_new_session: pgid = pid
-                     warmup=warmup_prompts(args.warmup))
+                     warmup=warmup)
     finally:  # the server and its engine process: the session this run started for them
         _signal_group(proc, signal.SIGTERM)
         try:
@@ -433,11 +433,12 @@ def main() -> None:
           f"Preload: {'tcmalloc + Intel OpenMP' if True in preloads else 'off'} "
           f"({ve.ld_preload() if True in preloads else '-'}){', and off' if len(preloads) == 2 else ''}.", flush=True)
     per_size, raw = {}, []
+    warmup = warmup_prompts(args.warmup) if args.server else []  # read once: every server warms up alike
     for size in sizes:
         results: dict[tuple[str, bool], list[SpecRun]] = {(m, p): [] for m in methods for p in preloads}
         for rep, order in enumerate(rotations([(m, p) for m in methods for p in preloads], args.reps)):
             for m, p in order:
-                run = (server_run(m, size, p, args, prompts) if args.server else _child(m, size, args, p))
+                run = (server_run(m, size, p, args, prompts, warmup) if args.server else _child(m, size, args, p))
                 results[(m, p)].append(run)
                 raw.append({unit: size, "method": m, "preload": p, "rep": rep, **run.to_dict()})
                 print(f"  [{unit} {size} rep {rep + 1}/{args.reps}] {m:11s} preload {'on ' if p else 'off'} "

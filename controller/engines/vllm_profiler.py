@@ -207,11 +207,6 @@ def batch_line(fit: LiveFit, batch: int) -> tuple[float, float]:
     return a + b * batch, c * batch
 
 
-def _floor_note(fit: LiveFit) -> str:
-    return (f"; at least {fit.floor_ms_per_token:.3f} ms per query token: the compute floor"
-            if fit.floor_ms_per_token > 0 else "")
-
-
 def describe(m: Measurement, fit: LiveFit, prior: CostProfile, prior_weight: float) -> str:
     """What was measured, where, how it was fitted, and which figures are not measured."""
     p = m.plan
@@ -233,7 +228,7 @@ def describe(m: Measurement, fit: LiveFit, prior: CostProfile, prior_weight: flo
             + (f" ({m.skipped} not decode-only left out)" if m.skipped else "")
             + f". Median ms per step: {per_batch}. Robust fit (predictor.decision.live_cost, prior "
             f"{prior.name} worth {prior_weight:g} step{'s' if prior_weight != 1 else ''} per coefficient): "
-            f"{fit.formula()} ({lines}{_floor_note(fit)}), median absolute percentage error "
+            f"{fit.formula()} ({lines}), median absolute percentage error "
             f"{100 * fit.median_relative_error:.1f}%.{one_batch} draft_call_ms and draft_token_ms are the prior "
             f"{prior.name}'s, NOT measured (the forced proposer drafts for free).")
 
