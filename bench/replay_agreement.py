@@ -25,8 +25,8 @@ What it does, all on the bundled SmolLM2-135M, greedy, held-out agentic, code-ed
    recording, the method's policy's `decode_ms_per_1k` (the same steps left out): none -> none,
    suffix -> suffix, hvd -> hvd with the EAGLE3 head's measured curve (eagle3-smollm2, simulated
    draws), hvd-none -> hvd with a drafter that is never accepted (so never called), arctic -> arctic.
-   HVD's replays decide with the prior its allocator served with (`--decide-profile cpu-smollm2`:
-   the live fit takes over only after 200 decode steps) and are priced with the fitted line.
+   HVD's replays decide and are priced with the fitted line: its allocator served its first 50
+   decode steps with the prior (cpu-smollm2) and the rest with its own live fit of those steps.
 
 Printed per batch: engine decode ms per 1k tokens (median [min-max] over repetitions) beside the
 replay's, the error, both rankings, and the counts (decode steps, draft, accepted and rejected tokens
@@ -65,10 +65,7 @@ REPLAYED_AS = {"none": ("none", "eagle3-smollm2"), "suffix": ("suffix", "eagle3-
                "hvd": ("hvd", "eagle3-smollm2"), "hvd-none": ("hvd", NO_DRAFTER),
                "arctic": ("arctic", "eagle3-smollm2")}
 GOAL_ERROR = 0.05
-PRIOR = "cpu-smollm2"  # the serving default (HVD_COST_PROFILE): the fit's prior, and what HVD decided with
-# HVD's allocator decides with the prior until its live fit has 200 decode steps: all of a batch-8 run
-# here, about half of a batch-1 run. Its replay decides with the prior too (hvd eval --decide-profile).
-DECIDED_WITH_PRIOR = ("hvd", "hvd-none")
+PRIOR = "cpu-smollm2"  # the serving default (HVD_COST_PROFILE): the fit's prior
 
 
 def engine_run(method: str, batch: int, dtype: str, prompts: list[tuple[str, list[int]]], max_tokens: int,
@@ -223,15 +220,13 @@ def replay_profiles_file(fitted: CostProfile | None) -> Path:
     return path
 
 
-def replay(trace: Path, policy: str, drafter: str, profile: str, batch: int, profiles: Path,
-           decide: str | None) -> dict:
-    """`hvd eval` on one recording: the policy's overall figures, priced with `profile`, decided with
-    `decide` (None: `profile`)."""
+def replay(trace: Path, policy: str, drafter: str, profile: str, batch: int, profiles: Path) -> dict:
+    """`hvd eval` on one recording: the policy's overall figures, decided and priced with `profile`."""
     out = trace.with_suffix(f".eval-{drafter}.json")
     env = {**os.environ, "HVD_PROFILES_FILE": str(profiles)}
     subprocess.run([str(Path(sys.executable).parent / "hvd"), "eval", "--traces", str(trace), "--all-sessions",
                     "--cost-profile", profile, "--settings", f"{profile}/b{batch}", "--drafter", drafter,
-                    "--json", str(out), *(["--decide-profile", decide] if decide else [])],
+                    "--json", str(out)],
                    check=True, env=env, stdout=subprocess.DEVNULL)
     report = json.loads(out.read_text())
     return report["drafters"][drafter]["policies"][policy]["overall"]
@@ -340,11 +335,9 @@ def main() -> None:
         replayed = {}
         for m in args.methods:
             policy, drafter = REPLAYED_AS[m]
-            decide = PRIOR if m in DECIDED_WITH_PRIOR else None
-            replayed[m] = replay(OUT / f"{args.dtype}-{m}-b{batch}.jsonl", policy, drafter, profile, batch, profiles,
-                                 decide)
+            replayed[m] = replay(OUT / f"{args.dtype}-{m}-b{batch}.jsonl", policy, drafter, profile, batch, profiles)
             raw.append({"batch": batch, "method": m, "replay": replayed[m], "priced_with": profile,
-                        "decided_with": decide or profile})
+                        "decided_with": profile})
         if fitted is not None:
             raw.append({"batch": batch, "fitted": fitted.description})
         ok &= report(batch, runs, replayed, profile, fitted.description if fitted else "")

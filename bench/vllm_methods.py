@@ -39,9 +39,9 @@ servers, the mean decode step by part (hvd_step_seconds{phase="decode"}: target,
     python bench/vllm_methods.py --server [--concurrency 1 8] [--reps 3] [--warmup 4]
 
 --warmup N serves N training-split prompts per workload before each server's measured pass, the
-same for every method: a served replica runs its first 200 steps on its cost profile before its live
-fit takes over (controller/engines/vllm_hybrid.py), and a measured pass at concurrency 1 is about
-400 steps, so without a warm-up half of it measures the start-up.
+same for every method, so that each server measures in its steady state: a served replica prices its
+first 50 decode steps with its cost profile before its live fit takes over and refits every 200
+(controller/engines/vllm_hybrid.py), and the suffix cache's global tree holds the warm-up's answers.
 """
 from __future__ import annotations
 
@@ -266,8 +266,7 @@ def server_run(method: str, concurrency: int, preload: bool, args: argparse.Name
 def warmup_prompts(per_workload: int) -> list[tuple[str, list[int]]]:
     """--warmup: training-split prompts (never the measured ones, whose responses would then sit in the
     suffix cache), served before the measured pass so that the server measures in its steady state: a
-    replica's live cost fit first prices its steps after 200 of them, as many as a whole measured pass
-    at concurrency 1 takes."""
+    replica's live cost fit first prices its steps after 50 decode steps, and refits every 200."""
     return held_out_prompts(BENCH_WORKLOADS, per_workload, max_tokens=1000, held_out=False) if per_workload else []
 
 

@@ -73,9 +73,9 @@ def _median_relative_error(predicted, truth) -> float:
 def test_the_fit_recovers_a_noisy_line_with_pauses(a, b, c, d, e, seed):
     clock = Clock([a, b, c, d, e], seed)
     model = LiveCostModel(PRIOR)
-    assert _feed(model, clock.steps(400)) == 2  # at 200 and at 400
+    assert _feed(model, clock.steps(450)) == 3  # at 50 (min_samples), then every 200: at 250 and 450
     fit = model.current
-    assert fit is not None and fit.samples == 400 and fit.fitted_at == 400
+    assert fit is not None and fit.samples == 450 and fit.fitted_at == 450
     profile = model.profile("live")
     batch, query, k = clock.inputs(300)  # fresh held-out inputs, priced against the true line
     truth = clock.line(batch, query, k)

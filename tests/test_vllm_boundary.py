@@ -234,3 +234,24 @@ def test_the_live_cost_model_predicts_held_out_vllm_steps_within_15_percent(run)
     error = float(np.median(np.abs(predicted - measured) / measured))
     print(f"live cost model on {half} vLLM decode steps: median error {100 * error:.1f}% on {len(held)} held-out steps")
     assert error < 0.15
+
+
+def test_the_first_live_fit_from_the_first_decode_steps_predicts_the_later_ones(run):
+    """The replica's first fit, as soon as it has min_samples decode steps (the rest of the window
+    its prior's), predicts every later step of the run, which it never saw."""
+    decode = [s.timing for s in run["timed"] if s is not None and s.decode]
+    live = run["state"].live_cost
+    model = LiveCostModel(live.prior, min_samples=live.min_samples)
+    for t in decode[: live.min_samples]:
+        model.observe(StepSample(t.batch, t.query_tokens, t.model_k, t.total))
+    assert model.current is not None and model.current.samples == live.min_samples
+    later = decode[live.min_samples:]
+    predicted = model.predict_ms(np.array([t.batch for t in later]), np.array([t.query_tokens for t in later]),
+                                 np.array([t.model_k for t in later]))
+    measured = np.array([1000.0 * t.total for t in later])
+    error = float(np.median(np.abs(predicted - measured) / measured))
+    by_prior = np.array([live.prior.step_ms(t.batch, t.query_tokens, t.model_k) for t in later])
+    prior = float(np.median(np.abs(by_prior - measured) / measured))
+    print(f"first live fit on {live.min_samples} vLLM decode steps: median error {100 * error:.1f}% on the "
+          f"{len(later)} later steps (the prior {live.prior.name}: {100 * prior:.1f}%)")
+    assert error < 0.15 and error < prior / 2

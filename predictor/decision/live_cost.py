@@ -249,7 +249,7 @@ class LiveCostModel:
     """The robust online fit of one replica's step time. Feed it every engine step (`observe`); once
     it has `min_samples` steps, `profile` is the fitted line, before that the prior unchanged."""
 
-    def __init__(self, prior: CostProfile, window: int = 2000, refit_every: int = 200, min_samples: int = 200,
+    def __init__(self, prior: CostProfile, window: int = 2000, refit_every: int = 200, min_samples: int = 50,
                  prior_weight: float = 20.0, floor: bool = False) -> None:
         if not 1 <= min_samples <= window:
             raise LiveCostError(f"min_samples must be in [1, window {window}], got {min_samples}")
