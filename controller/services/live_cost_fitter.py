@@ -1,9 +1,9 @@
 """The live cost model's refits, on their own thread, so no decode step waits for one.
 
 Why: the plugin refits its step-time line at 50 decode steps and then every 200
-(predictor/decision/live_cost.py).
-In the step that triggered it the refit took 0.7-1.4 ms, and 4-7 ms with the compute floor
-(`python bench/live_cost_fit.py`): learning on the decode path, which HVD's serving rule forbids.
+(predictor/decision/live_cost.py). In the step that made it due the refit took 0.5-1.4 ms, and 3-7
+ms with the compute floor (`python bench/live_cost_fit.py`): learning on the decode path, which
+HVD's serving rule forbids.
 Here the step only hands over a copy of the window (`submit`, a lock and a reference) and a later
 step picks up the finished fit (`take`, the same). The fit runs while the engine's forward pass
 holds the cores: torch releases the GIL there, so the thread mostly runs in time the decode thread
