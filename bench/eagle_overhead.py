@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure import rotations, spread  # noqa: E402
 
 from controller.engines import vllm_engine as ve  # noqa: E402
-from eagle3_training.corpus import held_out_prompts  # noqa: E402
+from eagle3_training.corpus import bench_prompts  # noqa: E402
 
 BENCH_WORKLOADS = ("agentic", "code_edit", "sql")
 VARIANTS = {"vllm": {"use_local_argmax_reduction": False}, "local-argmax": {"use_local_argmax_reduction": True}}
@@ -278,7 +278,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write every call's timings here")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: one variant in this process, print JSON
     args = ap.parse_args()
-    prompts = held_out_prompts(BENCH_WORKLOADS, args.per_workload, max_tokens=1000)
+    prompts = bench_prompts(BENCH_WORKLOADS, args.per_workload, max_tokens=1000)
     if args.one:
         print("RESULT " + json.dumps(measure(args.one, args.batches, prompts, args.max_tokens)))
         return

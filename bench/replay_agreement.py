@@ -297,9 +297,9 @@ def main() -> None:
     os.environ.setdefault("HVD_DATABASE_URL", f"sqlite:///{ve.REPO_ROOT / 'var' / 'hvd.db'}")
     os.environ.setdefault("HVD_LEARN", "0")  # the engine's decode path is what is measured
 
-    from eagle3_training.corpus import held_out_prompts
+    from eagle3_training.corpus import bench_prompts
 
-    prompts = held_out_prompts(BENCH_WORKLOADS, args.per_workload, max_tokens=1000)
+    prompts = bench_prompts(BENCH_WORKLOADS, args.per_workload, max_tokens=1000)
     if args.one:
         result = engine_run(args.one, args.batches[0], args.dtype, prompts, args.max_tokens, args.record)
         print("RESULT " + json.dumps(result))

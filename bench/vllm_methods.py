@@ -64,7 +64,7 @@ from measure import (SPEC_COUNTERS, SpecRun, counter_deltas, pooled_decode_rate,
 from process_cpu import ROLES, cpu_delta, group_cpu  # noqa: E402
 
 from controller.engines import vllm_engine as ve  # noqa: E402
-from eagle3_training.corpus import held_out_prompts  # noqa: E402
+from eagle3_training.corpus import bench_prompts  # noqa: E402
 
 BENCH_WORKLOADS = ("agentic", "code_edit", "sql")
 HYBRID_METHODS = ("hvd", "hvd-binary", "hvd-none")
@@ -267,7 +267,7 @@ def warmup_prompts(per_workload: int) -> list[tuple[str, list[int]]]:
     """--warmup: training-split prompts (never the measured ones, whose responses would then sit in the
     suffix cache), served before the measured pass so that the server measures in its steady state: a
     replica's live cost fit first prices its steps after 50 decode steps, and refits every 200."""
-    return held_out_prompts(BENCH_WORKLOADS, per_workload, max_tokens=1000, held_out=False) if per_workload else []
+    return bench_prompts(BENCH_WORKLOADS, per_workload, max_tokens=1000, held_out=False) if per_workload else []
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -410,7 +410,7 @@ def main() -> None:
         parser.error("--reps, --per-workload and --max-tokens must be >= 1")
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
-    prompts = held_out_prompts(BENCH_WORKLOADS, args.per_workload, max_tokens=1000)
+    prompts = bench_prompts(BENCH_WORKLOADS, args.per_workload, max_tokens=1000)
     if args.one:
         print("RESULT " + json.dumps(run_method(args.one, args.batches[0], prompts, args.max_tokens).to_dict()))
         return

@@ -63,11 +63,12 @@ def prompts(records: Sequence[TraceRecord], held_out: bool, max_prompt_tokens: i
     return [Prompt(r.trace_id, r.workload, render(r, tokenizer, max_prompt_tokens)) for r in chosen]
 
 
-def held_out_prompts(workloads: Sequence[str], per_workload: int, max_tokens: int = 1000,
+def bench_prompts(workloads: Sequence[str], per_workload: int, max_tokens: int = 1000,
                      held_out: bool = True) -> list[tuple[str, list[int]]]:
-    """Bundled prompts of the sessions the evaluation holds out (neither the gate nor the EAGLE3
-    head trained on them), interleaved across `workloads`: (workload, token ids). held_out=False:
-    the training split's instead (a bench's warm-up, which must not be the measured prompts)."""
+    """Bundled prompts for the benches and the real-vLLM tests, interleaved across `workloads`:
+    (workload, token ids). By default those of the sessions the evaluation holds out (neither the
+    gate nor the EAGLE3 head trained on them: what is measured); held_out=False, the training split's
+    (a bench's warm-up, which must not be the measured prompts)."""
     from predictor.data.traces import bundled_traces_path, load_traces
 
     records, _ = load_traces([bundled_traces_path()])

@@ -377,10 +377,10 @@ def test_training_step_bench_uses_bf16_only_where_the_cpu_has_it(tmp_path, flags
 
 def test_the_server_warm_up_is_training_prompts_never_the_measured_ones():
     """--warmup fills the suffix cache with other requests' answers, never the measured prompts'."""
-    from eagle3_training.corpus import held_out_prompts
+    from eagle3_training.corpus import bench_prompts
 
     warm = vllm_methods.warmup_prompts(2)
-    measured = held_out_prompts(vllm_methods.BENCH_WORKLOADS, 4)
+    measured = bench_prompts(vllm_methods.BENCH_WORKLOADS, 4)
     assert [w for w, _ in warm] == list(vllm_methods.BENCH_WORKLOADS) * 2  # balanced, interleaved
     assert not {tuple(ids) for _, ids in warm} & {tuple(ids) for _, ids in measured}
     assert vllm_methods.warmup_prompts(0) == []

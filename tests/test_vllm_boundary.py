@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from controller.engines import vllm_engine as ve
-from eagle3_training.corpus import held_out_prompts
+from eagle3_training.corpus import bench_prompts
 from support.trace_subset import champion_database
 
 ve.cpu_environment()
@@ -48,7 +48,7 @@ BUDGET = 40  # tokens per step: below 4 requests x (1 + 12 draft tokens)
 
 @pytest.fixture(scope="module")
 def prompts() -> list[tuple[str, list[int]]]:
-    chosen = held_out_prompts(("agentic", "code_edit", "sql"), per_workload=2, max_tokens=700)[:6]
+    chosen = bench_prompts(("agentic", "code_edit", "sql"), per_workload=2, max_tokens=700)[:6]
     return [(w, ids[-PROMPT_TOKENS:]) for w, ids in chosen]
 
 

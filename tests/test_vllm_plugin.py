@@ -14,7 +14,7 @@ import os
 import pytest
 
 from controller.engines import vllm_engine as ve
-from eagle3_training.corpus import held_out_prompts
+from eagle3_training.corpus import bench_prompts
 from support.trace_subset import champion_database
 
 ve.cpu_environment()
@@ -36,7 +36,7 @@ WORKLOADS = ("agentic", "code_edit", "sql")
 @pytest.fixture(scope="module")
 def prompts() -> list[tuple[str, list[int]]]:
     # 8 real held-out prompts, interleaved: 3 agentic, 3 code edit, 2 SQL.
-    return held_out_prompts(WORKLOADS, per_workload=3, max_tokens=700)[:8]
+    return bench_prompts(WORKLOADS, per_workload=3, max_tokens=700)[:8]
 
 
 @pytest.fixture(scope="module")
