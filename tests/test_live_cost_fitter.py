@@ -186,10 +186,12 @@ def test_a_failing_fit_is_counted_and_logged_once_and_the_thread_fits_the_next_w
         assert [r.getMessage() for r in caplog.records].count(
             "hvd-live-cost: a refit failed (logged once); the engine keeps its last prices") == 1
         assert fitter.take() is None and fitter.last_error == "a poisoned window"
+        assert fitter.health().state == "retrying" and fitter.health().last_success is None
         fitter.submit(good)
         _until(lambda: fitter.fits == 1, "the good window's fit")
         assert fitter.take() == fit_window(good)
-        assert fitter.health().running and fitter.health().failures == 2
+        health = fitter.health()
+        assert health.running and health.failures == 2 and health.state == "ok" and health.last_success is not None
     finally:
         fitter.stop()
     assert not fitter.health().running

@@ -404,4 +404,13 @@ def test_the_stack_starts_the_step_cost_writer_before_the_event_writer_and_drain
                                   step_costs=False)
     assert no_costs.step_costs is None and "hvd-step-costs" not in [s.name for s in no_costs.services()]
     assert no_costs.flush() is True
+    assert no_costs.live_cost is None  # the live cost fitter only where the engine fits its steps (the vLLM plugin)
+    fitting = ServiceStack.build(engine, DecisionConfig(), token_classes(tokenizer), replica="r9", learn=False,
+                                 step_costs=False, live_cost=True)
+    assert [s.name for s in fitting.services()][-1] == "hvd-live-cost"
+    fitting.writer.spill_dir = tmp_path
+    fitting.start()
+    assert {h.name: h.state for h in fitting.health()}["hvd-live-cost"] == "ok"
+    fitting.shutdown(drain_seconds=5.0, log=lambda line: None)
+    assert not fitting.live_cost.health().running
     engine.dispose()

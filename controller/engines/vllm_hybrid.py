@@ -27,7 +27,7 @@ from controller.core.request_metadata import RequestMetadata, RequestMetadataErr
 from controller.core.runtime import RequestInput
 from controller.core.step_costs import StepTimingError
 from controller.engines.vllm_step_clock import StepClock
-from controller.services.live_cost_fitter import LiveCostFitter, follow
+from controller.services.live_cost_fitter import follow
 from controller.services.stack import ServiceStack, decision_config
 from controller.services.trace_recorder import ServedRequest, TraceRecorder
 from controller.settings import ServingSettings, SettingsError
@@ -111,7 +111,7 @@ class HybridState:
         try:
             self.stack = ServiceStack.build(engine, decision, token_classes(tokenizer),
                                             replica=f"{socket.gethostname()}-{os.getpid()}", learn=settings.learn,
-                                            suffix=suffix, metrics=metrics)
+                                            suffix=suffix, metrics=metrics, live_cost=settings.live_cost)
         except NoChampionError as exc:
             raise HvdStartupError(f"HVD cannot start: {exc}") from exc
         except (StorageError, SQLAlchemyError, BlobError) as exc:
@@ -125,7 +125,7 @@ class HybridState:
         # The allocator prices steps with what this engine's steps cost (the named profile until
         # the fit has enough decode steps); HVD_LIVE_COST=0 keeps the named profile.
         self.live_cost = LiveCostModel(decision.cost, floor=settings.live_cost_floor) if settings.live_cost else None
-        self.live_cost_fitter = LiveCostFitter().start() if self.live_cost is not None else None
+        self.live_cost_fitter = self.stack.live_cost  # started with the stack, its state in the heartbeat
         self._live_floored: bool | None = None  # the live fit's last floor state, for the log
         self.recorder = None
         if settings.record:

@@ -231,8 +231,6 @@ def _drain_at_exit() -> None:
     for s in _STATES:
         if s.recorder is not None:
             s.recorder.stop(5.0)
-        if s.live_cost_fitter is not None:
-            s.live_cost_fitter.stop(5.0)
         s.stack.shutdown(10.0)  # stop admitting, drain, log and store the tally (lost events: a warning)
     if _STATES:
         from controller.core.metrics import mark_process_dead

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from controller.services.lifecycle import Health, first_line, name_native_thread
@@ -37,7 +38,9 @@ class LiveCostFitter:
         self._thread: threading.Thread | None = None
         self.fits = 0
         self.failures = 0
+        self.failing = 0  # failures since the last fit that worked
         self.last_error: str | None = None
+        self.last_success: float | None = None  # unix time of the last fit that worked
 
     def start(self) -> "LiveCostFitter":
         self._stop.clear()
@@ -57,16 +60,19 @@ class LiveCostFitter:
             fit, self._done = self._done, None
         return fit
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 5.0) -> bool:
+        """End the thread (a fit under way finishes first); True: it holds nothing that must be written."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        return True
 
     def health(self) -> Health:
+        """As the stack's services say it (the heartbeat row, the dashboard): `retrying` while fits fail."""
         return Health(self.name, self._thread is not None and self._thread.is_alive(), self.failures,
-                      self.last_error, None)
+                      self.last_error, self.last_success, self.failing)
 
     def _loop(self) -> None:
         name_native_thread(self.name)
@@ -83,6 +89,7 @@ class LiveCostFitter:
                 fit = self._fit(window)
             except Exception as exc:  # a bad window must not end the thread: the old prices stay
                 self.failures += 1
+                self.failing += 1
                 self.last_error = first_line(exc)
                 if self.failures == 1:
                     log.exception("%s: a refit failed (logged once); the engine keeps its last prices", self.name)
@@ -90,6 +97,8 @@ class LiveCostFitter:
             with self._lock:
                 self._done = fit
             self.fits += 1
+            self.failing = 0
+            self.last_success = time.time()
 
 
 def follow(model: LiveCostModel, fitter: LiveCostFitter, sample: StepSample | None) -> LiveFit | None:

@@ -26,6 +26,7 @@ from controller.core.runtime import Runtime
 from controller.services.control_poller import ControlPoller
 from controller.services.event_writer import EventWriter, Tally
 from controller.services.learner_service import LearnerService
+from controller.services.live_cost_fitter import LiveCostFitter
 from controller.services.lifecycle import Health
 from controller.services.stats_writer import StatsWriter
 from controller.services.step_cost_writer import StepCostWriter
@@ -61,17 +62,19 @@ class ServiceStack:
     learner: LearnerService | None
     step_costs: StepCostWriter | None = None  # what the engine's steps cost, per minute (None: not recorded)
     metrics: HvdMetrics | None = None  # the runtime's Prometheus metrics (the learner's tenant state goes there too)
+    live_cost: LiveCostFitter | None = None  # the live cost model's refits (None: the engine does not fit its steps)
 
     @classmethod
     def build(cls, engine: Engine, decision: DecisionConfig, token_classes: TokenClasses, *, replica: str,
               learn: bool = True, learner_config: LearnerConfig | None = None, leader_lock: bool = True,
               suffix: SuffixConfig | None = None, stats_interval: float = 5.0,
               poll_interval: float = 2.0, metrics: HvdMetrics | None = None,
-              step_costs: bool = True, step_cost_interval: float = 10.0) -> "ServiceStack":
+              step_costs: bool = True, step_cost_interval: float = 10.0, live_cost: bool = False) -> "ServiceStack":
         """Everything around one runtime, on the current champion. `leader_lock=False`: this
         replica learns without asking (one process, synchronous runs). `metrics`: the Prometheus
         metrics the runtime counts into (none without). `step_costs`: a step-cost writer for the
-        engine's step timings, written every `step_cost_interval` seconds under `replica`."""
+        engine's step timings, written every `step_cost_interval` seconds under `replica`.
+        `live_cost`: a thread for the refits of the engine's live cost model (the vLLM plugin's)."""
         version_id, gate = load_gate(engine)
         stats = StatsWriter(engine, flush_interval=stats_interval, keep_days=KEEP_STAT_DAYS)
         runtime = Runtime(gate, token_classes, decision, version_id=version_id, suffix=suffix, stats_sink=stats,
@@ -85,13 +88,14 @@ class ServiceStack:
             lock = make_leader_lock(engine, "learner", replica) if leader_lock else None
             service = LearnerService(engine, decision, learner_config, replica=replica, lock=lock, start_at_end=True)
         costs = StepCostWriter(engine, replica, flush_interval=step_cost_interval) if step_costs else None
-        stack = cls(runtime, stats, writer, poller, service, costs, metrics)
+        stack = cls(runtime, stats, writer, poller, service, costs, metrics, LiveCostFitter() if live_cost else None)
         writer.services = stack.health  # the heartbeat row carries every service's state
         return stack
 
     def services(self) -> list:
         """In start order."""
-        return [s for s in (self.stats, self.step_costs, self.writer, self.poller, self.learner) if s is not None]
+        return [s for s in (self.stats, self.step_costs, self.writer, self.poller, self.learner, self.live_cost)
+                if s is not None]
 
     def start(self) -> "ServiceStack":
         for s in self.services():
