@@ -26,8 +26,8 @@ from controller.core.runtime import Runtime
 from controller.services.control_poller import ControlPoller
 from controller.services.event_writer import EventWriter, Tally
 from controller.services.learner_service import LearnerService
-from controller.services.live_cost_fitter import LiveCostFitter
 from controller.services.lifecycle import Health
+from controller.services.live_cost_fitter import LiveCostFitter
 from controller.services.stats_writer import StatsWriter
 from controller.services.step_cost_writer import StepCostWriter
 from predictor.decision.profiles import CostProfile, DrafterProfile
