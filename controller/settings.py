@@ -66,7 +66,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("HVD_COST_PROFILE", one_of("predictor.decision.profiles:cost_profiles"), "cpu-smollm2",
             "step-cost profile of the allocator and the goodput rule"),
     Setting("HVD_LIVE_COST", parse_flag, True,
-            "price steps with this engine's own step times (a live fit; the cost profile is its prior)"),
+            "price steps with this engine's own step times (a live fit from the 50th decode step, refitted "
+            "every 200 on its own thread, `hvd-live-cost`; the cost profile is its prior)"),
     Setting("HVD_LIVE_COST_FLOOR", parse_flag, False,
             "let the live fit add a compute floor (ms per query token) where the steps show one "
             "(0: a line, the cost profile's floor kept)"),
