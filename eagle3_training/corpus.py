@@ -64,7 +64,7 @@ def prompts(records: Sequence[TraceRecord], held_out: bool, max_prompt_tokens: i
 
 
 def bench_prompts(workloads: Sequence[str], per_workload: int, max_tokens: int = 1000,
-                     held_out: bool = True) -> list[tuple[str, list[int]]]:
+                  held_out: bool = True) -> list[tuple[str, list[int]]]:
     """Bundled prompts for the benches and the real-vLLM tests, interleaved across `workloads`:
     (workload, token ids). By default those of the sessions the evaluation holds out (neither the
     gate nor the EAGLE3 head trained on them: what is measured); held_out=False, the training split's

@@ -202,7 +202,7 @@ def test_every_step_is_timed_and_its_parts_add_up(run):
     share = sum(s.timing.parts[1] for s in steps) / sum(s.timing.total for s in steps)
     print(f"{len(steps)} steps ({len(decode)} decode); HVD's share of the step time {100 * share:.1f}%")
     assert 0 < share < 0.5
-    live, fitter = run["state"].live_cost, run["state"].live_cost_fitter
+    live, fitter = run["state"].live_cost, run["state"].stack.live_cost
     assert live.observed == len(decode)
     assert fitter.health().running and fitter.failures == 0
     if len(decode) >= live.min_samples:  # a refit was due: its window went to the fitter's thread

@@ -125,7 +125,6 @@ class HybridState:
         # The allocator prices steps with what this engine's steps cost (the named profile until
         # the fit has enough decode steps); HVD_LIVE_COST=0 keeps the named profile.
         self.live_cost = LiveCostModel(decision.cost, floor=settings.live_cost_floor) if settings.live_cost else None
-        self.live_cost_fitter = self.stack.live_cost  # started with the stack, its state in the heartbeat
         self._live_floored: bool | None = None  # the live fit's last floor state, for the log
         self.recorder = None
         if settings.record:
@@ -236,7 +235,7 @@ class HybridState:
                 self.stack.step_costs.add(t)
             if self.live_cost is not None:
                 sample = StepSample(t.batch, t.query_tokens, t.model_k, t.total) if step.decode else None
-                if follow(self.live_cost, self.live_cost_fitter, sample) is not None:
+                if follow(self.live_cost, self.stack.live_cost, sample) is not None:
                     self._price_with_live_fit()
         except (StepTimingError, LiveCostError) as exc:  # a timer gone wrong must not stop serving
             if not self._timing_failed:

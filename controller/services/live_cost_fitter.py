@@ -10,43 +10,32 @@ holds the cores: torch releases the GIL there, so the thread mostly runs in time
 spends waiting anyway.
 
 One window at a time: a window submitted while an older one waits replaces it (the newest steps
-are what the next prices should follow), and a fit that fails is counted and logged once, leaving
-the engine on its last good prices."""
+are what the next prices should follow). The thread is a BackgroundService like the replica's
+other services: a fit that fails is counted and logged at the first of a run of failures, its
+health says `retrying` until a fit works again, and the engine keeps its last good prices."""
 from __future__ import annotations
 
-import logging
 import threading
-import time
 from collections.abc import Callable
 
-from controller.services.lifecycle import Health, first_line, name_native_thread
+from controller.services.lifecycle import BackgroundService
 from predictor.decision.live_cost import CostWindow, LiveCostModel, LiveFit, StepSample, fit_window
 
-log = logging.getLogger("hvd.services")
+IDLE_WAIT = 1.0  # seconds a round waits for a window before it ends (and the thread checks for stop)
 
 
-class LiveCostFitter:
+class LiveCostFitter(BackgroundService):
     name = "hvd-live-cost"
+    run_at_start = True
 
     def __init__(self, fit: Callable[[CostWindow], LiveFit] = fit_window) -> None:
+        super().__init__(interval=0.0, max_backoff=0.0)  # a round waits on its own (IDLE_WAIT)
         self._fit = fit
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._stop = threading.Event()
         self._pending: CostWindow | None = None
         self._done: LiveFit | None = None
-        self._thread: threading.Thread | None = None
         self.fits = 0
-        self.failures = 0
-        self.failing = 0  # failures since the last fit that worked
-        self.last_error: str | None = None
-        self.last_success: float | None = None  # unix time of the last fit that worked
-
-    def start(self) -> "LiveCostFitter":
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-        self._thread.start()
-        return self
 
     def submit(self, window: CostWindow) -> None:
         """Fit `window` soon, off the caller's thread; never waits."""
@@ -60,45 +49,30 @@ class LiveCostFitter:
             fit, self._done = self._done, None
         return fit
 
+    def round(self) -> float:
+        """Fit the window handed over, once there is one (waiting up to IDLE_WAIT for it)."""
+        self._wake.wait(IDLE_WAIT)
+        self._wake.clear()
+        with self._lock:
+            window, self._pending = self._pending, None
+        if window is None:
+            return 0.0
+        try:
+            fit = self._fit(window)
+        except Exception as exc:  # a bad window must not end the thread: the old prices stay
+            self.failed(exc)
+            return 0.0
+        with self._lock:
+            self._done = fit
+        self.succeeded()
+        self.fits += 1  # last: a reader that sees the count sees the health it leaves
+        return 0.0
+
     def stop(self, timeout: float = 5.0) -> bool:
-        """End the thread (a fit under way finishes first); True: it holds nothing that must be written."""
+        """End the thread (a fit under way finishes first); it holds nothing that must be written."""
         self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
-        return True
-
-    def health(self) -> Health:
-        """As the stack's services say it (the heartbeat row, the dashboard): `retrying` while fits fail."""
-        return Health(self.name, self._thread is not None and self._thread.is_alive(), self.failures,
-                      self.last_error, self.last_success, self.failing)
-
-    def _loop(self) -> None:
-        name_native_thread(self.name)
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            if self._stop.is_set():
-                return
-            with self._lock:
-                window, self._pending = self._pending, None
-            if window is None:
-                continue
-            try:
-                fit = self._fit(window)
-            except Exception as exc:  # a bad window must not end the thread: the old prices stay
-                self.failures += 1
-                self.failing += 1
-                self.last_error = first_line(exc)
-                if self.failures == 1:
-                    log.exception("%s: a refit failed (logged once); the engine keeps its last prices", self.name)
-                continue
-            with self._lock:
-                self._done = fit
-            self.fits += 1
-            self.failing = 0
-            self.last_success = time.time()
+        self._wake.set()  # a round waiting for a window ends now
+        return super().stop(timeout)
 
 
 def follow(model: LiveCostModel, fitter: LiveCostFitter, sample: StepSample | None) -> LiveFit | None:

@@ -312,7 +312,7 @@ class LiveCostModel:
         self.record(sample)
         if not self.due:
             return False
-        self.adopt(fit_window(self.take_window()))
+        self.fit()
         return True
 
     def fit(self) -> LiveFit | None:
