@@ -85,6 +85,9 @@ class SpecRun:
     # Served runs: each request's workload and decoding (tokens after the first, seconds after the
     # first), in prompt order, for per-workload and per-request comparisons across methods.
     requests: list[tuple[str, int, float]] | None = None
+    # HVD's servers: per drafter, (tokens the allocator's plan expected of what was verified, tokens
+    # accepted) over the run (hvd_promised_tokens, hvd_accepted_tokens).
+    promises: dict[str, tuple[float, float]] | None = None
 
     def __post_init__(self) -> None:
         if self.tokens <= 0 or self.seconds <= 0:
@@ -214,6 +217,20 @@ def step_part_ms(before: str, after: str, metric: str = "hvd_step_seconds", phas
     if steps <= 0:
         return None
     return {part: 1000.0 * (sums[1][part] - sums[0].get(part, 0.0)) / steps for part in sums[1]}
+
+
+def promises(before: str, after: str) -> dict[str, tuple[float, float]] | None:
+    """Per drafter, (promised, accepted) draft tokens between two /metrics pages of an HVD server: what
+    the allocator's plan expected of the verified tokens (hvd_promised_tokens) and what the target
+    accepted (hvd_accepted_tokens, counted as drafts are labelled: a request's last labels wait for
+    the engine's next step). None if nothing was promised between them."""
+    def delta(name: str) -> dict[str, float]:
+        first, last = (prometheus_by_label(page, name, "drafter") for page in (before, after))
+        return {d: v - first.get(d, 0.0) for d, v in last.items()}
+
+    promised, accepted = delta("hvd_promised_tokens_total"), delta("hvd_accepted_tokens_total")
+    out = {d: (v, accepted.get(d, 0.0)) for d, v in promised.items() if v > 0}
+    return out or None
 
 
 def verdict(value: float, goal: float, higher_is_better: bool = True) -> str:

@@ -59,7 +59,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from measure import (SPEC_COUNTERS, SpecRun, counter_deltas, pooled_decode_rate, prometheus_counters,  # noqa: E402
+from measure import (SPEC_COUNTERS, SpecRun, counter_deltas, pooled_decode_rate, prometheus_counters, promises,  # noqa: E402
                      rotations, run_from, served_steps, spread, step_part_ms, verdict)
 from process_cpu import ROLES, cpu_delta, group_cpu  # noqa: E402
 
@@ -239,7 +239,7 @@ def drive(port: int, prompts: list[tuple[str, list[int]]], concurrency: int, max
     requests = [(w, d[0], d[1]) for (w, _), (_, d) in zip(prompts, done) if d is not None]
     return replace(run, decode_tps=statistics.median([t / s for t, s in decoded]) if decoded else None,
                    decode_pooled_tps=pooled_decode_rate(decoded), cpu_seconds=cpu, step_ms=step_part_ms(before, after),
-                   served_steps=steps, step_wall_ms=apart, requests=requests)
+                   served_steps=steps, step_wall_ms=apart, requests=requests, promises=promises(before, after))
 
 
 def server_run(method: str, concurrency: int, preload: bool, args: argparse.Namespace,
@@ -325,6 +325,11 @@ def _cost_lines(runs: list[SpecRun]) -> None:
     if steps:
         print("    ms per decode step (hvd_step_seconds), median [min-max]: " + "; ".join(
             f"{part} {spread(s.get(part, 0.0) for s in steps).fmt(2)}" for part in steps[0]))
+    kept = [r.promises for r in runs if r.promises]
+    if kept:
+        print("    the plan's promises kept (accepted / promised draft tokens), median [min-max]: " + "; ".join(
+            f"{d} {spread(k[d][1] / k[d][0] for k in kept if d in k).fmt(3)} "
+            f"({kept[0][d][1]:.0f} of {kept[0][d][0]:.1f} in the first pass)" for d in sorted(kept[0])))
 
 
 def _targets(med: dict[str, dict[str, float]], size: int) -> None:

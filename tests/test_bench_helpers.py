@@ -178,6 +178,20 @@ def test_step_part_ms_is_each_parts_mean_over_the_steps_between_two_pages():
     assert measure.step_part_ms("", "vllm:spec_decode_num_drafts_total 3") is None  # not an HVD server
 
 
+def test_promises_pair_each_drafters_promised_and_accepted_tokens_between_two_pages():
+    def page(promised: dict[str, float], accepted: dict[str, float]) -> str:
+        return "\n".join([f'hvd_promised_tokens_total{{workload="sql",tenant="a",drafter="{d}"}} {v}'
+                          for d, v in promised.items()]
+                         + [f'hvd_accepted_tokens_total{{workload="{w}",tenant="a",drafter="{d}"}} {v / 2}'
+                            for d, v in accepted.items() for w in ("sql", "chat")])
+
+    before = page({"cache": 10.0, "model": 1.0}, {"cache": 8.0, "model": 1.0})
+    after = page({"cache": 110.5, "model": 1.0}, {"cache": 98.0, "model": 3.0})
+    assert measure.promises(before, after) == {"cache": pytest.approx((100.5, 90.0))}  # model: nothing promised
+    assert measure.promises(before, before) is None
+    assert measure.promises("", "vllm:spec_decode_num_drafts_total 3") is None  # not an HVD server
+
+
 @given(st.text(st.characters(blacklist_characters="\n\x00", blacklist_categories=("Cs",)), max_size=20),
        st.integers(0, 2**31), st.integers(0, 2**40), st.integers(0, 2**40))
 def test_proc_stat_parser_reads_past_any_name(comm, pgid, utime, stime):

@@ -273,3 +273,30 @@ def test_step_seconds_from_two_processes_meet_in_the_multiprocess_folder(tmp_pat
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, path=str(tmp_path))
     assert_step_seconds(registry.get_sample_value)
+
+
+def test_a_perfect_predictor_keeps_every_promise_and_a_gate_is_held_to_its_own(records, tokenizer):
+    """hvd_promised_tokens: what the plan expected of the verified tokens. A runtime planning from the
+    true accepted lengths (the replay engine's perfect predictor) is promised exactly what its cache
+    drafts then accept; a gate's promises are counted as the runtime tallies them, one per verified draft."""
+    drafter = drafter_profiles()["eagle3-1.75"]
+    some = [r for r in records if r.workload in ("sql", "chat", "coding")][:6]
+
+    def serve(oracle: str | None) -> tuple[Runtime, CollectorRegistry]:
+        registry = CollectorRegistry()
+        runtime = Runtime(random_survival_gate(), token_classes(tokenizer), DecisionConfig(), version_id=1,
+                          metrics=HvdMetrics.shared(registry))
+        run_replay(runtime, some, tokenizer, drafter, batch_size=3, oracle=oracle)
+        return runtime, registry
+
+    def total(registry: CollectorRegistry, name: str, drafter: str) -> float:
+        return sum(value(registry, name, workload=w, tenant="default", drafter=drafter) for w in WORKLOADS)
+
+    perfect, registry = serve("predictor")
+    kept = total(registry, "hvd_accepted_tokens_total", "cache")
+    assert kept > 20 and total(registry, "hvd_promised_tokens_total", "cache") == pytest.approx(kept, abs=1e-6)
+    gated, registry = serve(None)
+    promised = total(registry, "hvd_promised_tokens_total", "cache") + total(registry, "hvd_promised_tokens_total", "model")
+    assert promised == pytest.approx(gated.stats.promised) and promised > 0
+    assert gated.stats.promised_accepted == gated.stats.verified_accepted  # every verified draft was planned
+    assert gated.stats.promised != pytest.approx(gated.stats.promised_accepted, rel=0.01)  # a random gate misjudges

@@ -199,3 +199,29 @@ def test_served_requests_are_on_policy_and_recorded_as_emitted(hybrid_run, datab
     ours = [r for r in records if r.engine is not None and r.engine.output_ids in served]
     assert report.skipped == 0 and all(r.engine is not None for r in records)
     assert len(ours) >= len(prompts) and {r.engine.output_ids for r in ours} == served
+
+
+def test_the_requests_an_engine_still_holds_are_finished_when_it_stops(hybrid_run, database):
+    """vLLM names a finished request only at a later step, which an engine that stops never runs: at
+    exit (`finish_held_requests`, the exit hook's first act) each request HVD still holds is recorded
+    and its last drafts labelled, as that step would have done."""
+    from predictor.data.traces import load_traces
+
+    def events_of(req_ids: set[str]) -> int:
+        with session_scope(make_engine(database)) as session:
+            return sum(1 for e in list_events(session) if e.request_id in req_ids)
+
+    runtime = hybrid_run["runtime"]
+    vllm_plugin.flush()
+    before = len(load_traces([hybrid_run["recorded"]])[0])
+    held = set(runtime.requests)
+    assert held  # the last generate's requests: no step came after them
+    labelled = events_of(held)
+    assert vllm_plugin.finish_held_requests() == len(held)
+    vllm_plugin.flush()
+    assert not runtime.requests and events_of(held) > labelled
+    records, _ = load_traces([hybrid_run["recorded"]])
+    assert len(records) == before + len(held)
+    recorded = {r.engine.output_ids for r in records}
+    assert all(tuple(out) in recorded for run in hybrid_run["outputs"].values() for out in run)
+    assert vllm_plugin.finish_held_requests() == 0

@@ -63,13 +63,14 @@ class Requester(Protocol):
 class _Series:
     """The labelled children of one (workload, tenant label), looked up once."""
 
-    __slots__ = ("decisions", "draft", "accepted", "rejected", "gate")
+    __slots__ = ("decisions", "draft", "accepted", "rejected", "promised", "gate")
 
     def __init__(self, m: "HvdMetrics", workload: str, tenant: str) -> None:
         self.decisions = {code: m.decisions.labels(workload, tenant, name) for code, name in SOURCE_NAMES.items()}
         self.draft = {d: m.draft_tokens.labels(workload, tenant, d) for d in DRAFTERS}
         self.accepted = {d: m.accepted_tokens.labels(workload, tenant, d) for d in DRAFTERS}
         self.rejected = {d: m.rejected_tokens.labels(workload, tenant, d) for d in DRAFTERS}
+        self.promised = {d: m.promised_tokens.labels(workload, tenant, d) for d in DRAFTERS}
         self.gate = {o: m.gate_outcomes.labels(workload, tenant, o) for o in GATE_OUTCOMES}
 
 
@@ -97,6 +98,12 @@ class HvdMetrics:
         self.rejected_tokens = Counter(
             "hvd_rejected_tokens", "Verified draft tokens the target model rejected (draft - accepted), by "
             f"drafter; {tenant_doc}", wt + ("drafter",), registry=registry)
+        self.promised_tokens = Counter(
+            "hvd_promised_tokens", "Draft tokens the allocator's plan expected the target to accept from the drafts "
+            "it verified (the survival curve summed over the verified prefix; the model drafter's live curve over "
+            "k), counted when the engine reports the verdict, by drafter. hvd_accepted_tokens over it below 1: the "
+            "predictor over-promises on the drafts it acts on, though it may be calibrated over all of them; "
+            f"{tenant_doc}", wt + ("drafter",), registry=registry)
         self.gate_outcomes = Counter(
             "hvd_gate_outcomes", f"The gate's confusion matrix at >= {LONG} accepted tokens over every labelled "
             "cache draft it scored, shadow drafts included (outcome: tp | fp | fn | tn, as stat_buckets counts "
@@ -219,6 +226,13 @@ class HvdMetrics:
                 self.events_dropped.inc()
         except Exception:
             self._failure("counting an event")
+
+    def promised(self, workload: str, tenant: str, drafter: str, tokens: float) -> None:
+        """A verified draft's promise: the tokens the plan expected of what the engine verified."""
+        try:
+            self._of(workload, tenant).promised[drafter].inc(tokens)
+        except Exception:
+            self._failure("counting a promise")
 
     def writer_dropped(self, count: int) -> None:
         """The event writer dropped `count` buffered events (its buffer overflowed)."""

@@ -36,6 +36,9 @@ class VerifiedDraft:
     version_id: int | None = None  # the predictor version of the step that planned it (model drafts' events)
     tracked: TrackedDraft | None = None  # the cache draft verified (its record learns what was verified)
     token_prob: tuple[float, ...] | None = None  # a rival rule's cache draft: its tokens' probabilities (it learns from them)
+    # What the allocator's plan expected of each verified token: the draft's survival curve S(1..l)
+    # (the model drafter's live curve for a model draft); None where no allocator planned the step.
+    promised: tuple[float, ...] | None = None
 
 
 @dataclass(slots=True)

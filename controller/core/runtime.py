@@ -124,6 +124,12 @@ class RuntimeStats:
     verified_drafts: int = 0
     verified_tokens: int = 0
     verified_accepted: int = 0
+    # Of the verified drafts an allocator planned: the tokens its curves promised over what was
+    # verified, and the tokens accepted. promised_accepted / promised below 1: the predictor
+    # over-promises on the drafts it acts on (even when it is calibrated over all drafts: the
+    # allocator verifies the tokens whose curves are highest, and so those the curves overrate).
+    promised: float = 0.0
+    promised_accepted: int = 0
     accepted_count: dict[int, int] = field(default_factory=dict)  # verified drafts per number of tokens accepted
     truncated: int = 0  # cache drafts verified shorter than the cache made them
     engine_cut: int = 0  # planned drafts the engine verified shorter than planned (or not at all)
@@ -401,14 +407,17 @@ class Runtime:
                     row_verified[r] = cut[i]
         self._record(snap, rows, sc.x, sc.row_pred, decision, row_tau, now, row_verified)
         stats = self.stats
-        decisions, owners, model_k = stats.decisions, rows.owners, pl.model_k
+        decisions, owners, model_k, curves = stats.decisions, rows.owners, pl.model_k, sc.curves
         for i, (st, src, c) in enumerate(zip(states, source, cut)):
             decisions[SOURCE_NAMES[src]] += 1
             if src == MODEL:
-                st.verifying = VerifiedDraft(st.hindsight.output_len, model_k, True, snap.version_for(st.workload))
+                promised = None if curves is None else tuple(self.model_curves.curve(ob.workload[i])[:model_k].tolist())
+                st.verifying = VerifiedDraft(st.hindsight.output_len, model_k, True, snap.version_for(st.workload),
+                                             promised=promised)
             elif src == CACHE:
                 st.verifying = VerifiedDraft(st.hindsight.output_len, c, False, None, owners[row_of[i]][1],
-                                             None if pl.token_prob is None else tuple(pl.token_prob[i].tolist()))
+                                             None if pl.token_prob is None else tuple(pl.token_prob[i].tolist()),
+                                             None if curves is None else tuple(curves[i, :c].tolist()))
         if model_k:
             stats.model_k_steps[model_k] = stats.model_k_steps.get(model_k, 0) + 1
             if CACHE in source:
@@ -533,6 +542,12 @@ class Runtime:
             return
         accepted = max(0, min(emitted - 1, n))
         self.stats.count_verified(n, accepted)
+        if v.promised is not None:
+            promised = sum(v.promised[:n])
+            self.stats.promised += promised
+            self.stats.promised_accepted += accepted
+            if self.metrics is not None:
+                self.metrics.promised(st.workload, st.tenant, DRAFTER_MODEL if v.model else DRAFTER_CACHE, promised)
         self.stats.accepted_not_output += max(0, accepted - kept)
         if v.model:
             self._emit_model(st, v, n, accepted)

@@ -167,6 +167,16 @@ class HybridState:
                                                 np.asarray(h.out, dtype=np.int32)))
             self.runtime.finish(r)
 
+    def finish_held(self) -> int:
+        """Finish every request HVD still holds, as a later step would have: recorded (HVD_RECORD) and
+        its drafts labelled. vLLM names finished requests only at the start of a later step, which an
+        engine that goes idle, or stops, never runs: without this the last requests a process served
+        were never recorded and their last drafts' labels never reached SQL. Only when no step can
+        come (the process is ending); returns how many were finished."""
+        held = list(self.runtime.requests)
+        self.finish_requests(held)
+        return len(held)
+
     def decide(self, runner, scheduler_output, sampled_token_ids):
         """The step as vLLM ran it: requests leave only when the scheduler says they finished or
         were aborted (`finish_requests`; a request missing from this batch was preempted or not

@@ -35,6 +35,7 @@ set to an empty folder too.
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -74,8 +75,6 @@ def route_logs() -> None:
     the handlers vLLM gave its `vllm` logger when it was imported. Without them Python's last-resort
     handler shows warnings only, and the hybrid's start-up and live-cost lines would be lost. A
     deployment that configured `hvd` itself (a handler of its own) keeps its configuration."""
-    import logging
-
     hvd, vllm_log = logging.getLogger("hvd"), logging.getLogger("vllm")
     if hvd.handlers or not vllm_log.handlers:
         return
@@ -226,8 +225,18 @@ def _state(runner) -> "HybridState | None":
     return runner._hvd_state
 
 
+def finish_held_requests() -> int:
+    """Finish the requests this process's engines still hold (HybridState.finish_held): only when
+    the engines will run no more steps. Returns how many were finished."""
+    return sum(s.finish_held() for s in _STATES)
+
+
 @atexit.register
 def _drain_at_exit() -> None:
+    try:
+        finish_held_requests()
+    except Exception:  # the exit goes on: what is queued still drains
+        logging.getLogger("hvd.vllm").exception("HVD: finishing the held requests at exit failed")
     for s in _STATES:
         if s.recorder is not None:
             s.recorder.stop(5.0)
