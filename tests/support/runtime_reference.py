@@ -67,6 +67,9 @@ class _Sink:
     def offered(self, event, admitted) -> None:
         pass
 
+    def promised(self, workload, tenant, drafter, tokens) -> None:
+        pass
+
     def taken(self, count) -> None:
         pass
 
@@ -215,7 +218,7 @@ def roundtrip(values: list) -> list:
 # vector units (numpy's SIMD tanh, log1p and BLAS): compared to a relative 1e-6, everything else
 # exactly, decisions included (the benchmark checks every bit, on one machine, of a far longer
 # sequence: bench/runtime_step.py --reference).
-LOOSE = frozenset({"predicted", "tau", "features"})
+LOOSE = frozenset({"predicted", "tau", "features", "promised"})
 
 
 def same(a: Any, b: Any, where: str = "", loose: bool = False) -> str | None:
