@@ -217,9 +217,10 @@ def test_the_requests_an_engine_still_holds_are_finished_when_it_stops(hybrid_ru
     held = set(runtime.requests)
     assert held  # the last generate's requests: no step came after them
     labelled = events_of(held)
-    assert vllm_plugin.finish_held_requests() == len(held)
+    everywhere = sum(len(r.requests) for r in vllm_plugin.runtimes())  # other modules' engines hold some too
+    assert everywhere >= len(held) and vllm_plugin.finish_held_requests() == everywhere
     vllm_plugin.flush()
-    assert not runtime.requests and events_of(held) > labelled
+    assert not any(r.requests for r in vllm_plugin.runtimes()) and events_of(held) > labelled
     records, _ = load_traces([hybrid_run["recorded"]])
     assert len(records) == before + len(held)
     recorded = {r.engine.output_ids for r in records}
