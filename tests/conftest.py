@@ -22,7 +22,7 @@ settings.load_profile("hvd")
 
 # Test files (or file::test) that need each heavy dependency; db_url's postgresql param adds `postgres`.
 MARKED = {
-    "vllm": ("test_vllm_plugin.py", "test_vllm_boundary.py", "test_vllm_server.py", "test_eagle3_training.py::test_tiny_pipeline_end_to_end"),
+    "vllm": ("test_vllm_plugin.py", "test_vllm_boundary.py", "test_vllm_server.py", "test_vllm_server_drain.py", "test_eagle3_training.py::test_tiny_pipeline_end_to_end"),
     "postgres": ("test_replicas.py",),
     "browser": ("test_dashboard_browser.py",),
 }

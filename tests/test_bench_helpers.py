@@ -366,7 +366,8 @@ def test_baseline_server_is_the_same_server_without_the_plugin(monkeypatch):
     # the flags every server of the benchmark ran with before `hvd serve` kept vLLM's defaults, passed
     # after `--` now (bf16, no prefix caching, eager, 8 sequences, 4096 tokens): its figures stay comparable
     assert argv[3:] == ["--host", "127.0.0.1", "--port", "8123", "--served-model-name", "smollm2",
-                        "--model", str(ve.MODEL_BF16), "--dtype", "bfloat16", "--max-model-len", "4096",
+                        "--model", str(ve.MODEL_BF16), "--dtype", "bfloat16", "--shutdown-timeout", "10",
+                        "--max-model-len", "4096",
                         "--max-num-seqs", "8", "--max-num-batched-tokens", "4096", "--enforce-eager",
                         "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.5"]
     suffix, _ = vllm_methods.server_command("suffix", 8123, False, "sqlite:///x.db")

@@ -102,7 +102,7 @@ def test_by_default_vllm_keeps_its_own_defaults_and_prefix_caching(hvd_serve):
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert argv[3:] == ["--host", "127.0.0.1", "--port", "8000", "--served-model-name", "smollm2",
                         "--model", str(hvd_serve.models["fp32"]), "--dtype", "float32", "--enforce-eager",
-                        "--speculative-config", json.dumps(ve.speculative_config("hvd"))]
+                        "--shutdown-timeout", "10", "--speculative-config", json.dumps(ve.speculative_config("hvd"))]
     assert not set(DROPPED) & set(argv)
     assert "dtype float32: the CPU has no bf16 arithmetic (neither avx512_bf16 nor amx_bf16 in " in line
     assert "vLLM arguments after `--`: none" in line
@@ -131,8 +131,16 @@ def test_arguments_after_the_double_dash_go_to_vllm_verbatim_after_hvds(hvd_serv
     head = argv[:-len(passed)]
     assert head[3:] == ["--host", "127.0.0.1", "--port", "8123", "--served-model-name", "sm",
                         "--model", str(hvd_serve.models["fp32"]), "--dtype", "float32", "--enforce-eager",
-                        "--speculative-config", json.dumps(ve.speculative_config("hvd-none"))]
+                        "--shutdown-timeout", "10", "--speculative-config", json.dumps(ve.speculative_config("hvd-none"))]
     assert f"vLLM arguments after `--`: {' '.join(passed)}" in line
+
+
+def test_a_shutdown_timeout_after_the_double_dash_replaces_hvds(hvd_serve):
+    """HVD gives vLLM 10 s to stop (its default, 0, kills the worker where HVD drains); the operator's wins."""
+    code, argv, _, _ = hvd_serve("--", "--shutdown-timeout", "30")
+    assert code == 0 and argv.count("--shutdown-timeout") == 1 and argv[-2:] == ["--shutdown-timeout", "30"]
+    code, argv, _, _ = hvd_serve("--", "--shutdown_timeout=0")
+    assert code == 0 and "--shutdown-timeout" not in argv and argv[-1] == "--shutdown_timeout=0"
 
 
 def test_a_dtype_or_eagerness_after_the_double_dash_replaces_hvds(hvd_serve):

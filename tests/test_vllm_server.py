@@ -4,15 +4,8 @@ metadata is an HTTP 400 naming the field; vLLM's /metrics shows the hvd_* metric
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.error
-import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -22,54 +15,18 @@ from storage.stats import verified_tokens
 
 from support.scrape import scrape, total
 from support.trace_subset import champion_database
-
-HVD = Path(sys.executable).with_name("hvd")
-STARTUP_SECONDS = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        return json.loads(resp.read())
+from support.vllm_server import post, start, stop
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("serve")
     db = champion_database(folder, {"medagentbench-agentbench-pr171": 20, "aider-chat-history": 10})
-    port = _free_port()
-    log = (folder / "server.log").open("w")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HVD_")}
-    proc = subprocess.Popen([str(HVD), "--db", db, "serve", "--engine", "vllm", "--port", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + STARTUP_SECONDS
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{(folder / 'server.log').read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            time.sleep(1)
-    else:
-        pytest.fail("server did not come up in time:\n" + (folder / "server.log").read_text()[-3000:])
+    proc, base = start(folder, db)
     try:
         yield base, db
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
+        stop(proc)
 
 
 def test_completion_with_metadata_reaches_sql(server):
@@ -78,7 +35,7 @@ def test_completion_with_metadata_reaches_sql(server):
               "GET http://localhost:8080/fhir/Patient?identifier=S6534835\n" * 3)
     body = {"model": "smollm2", "prompt": prompt, "max_tokens": 32, "temperature": 0,
             "vllm_xargs": {"hvd_tenant": "acme", "hvd_workload": "agentic"}}
-    answer = _post(base + "/v1/completions", body)
+    answer = post(base + "/v1/completions", body)
     assert answer["choices"][0]["text"]
     assert answer["usage"]["completion_tokens"] == 32
     engine = make_engine(db)
@@ -95,7 +52,7 @@ def test_completion_with_metadata_reaches_sql(server):
 
 def _status(url: str, body: dict) -> tuple[int, dict]:
     try:
-        return 200, _post(url, body)
+        return 200, post(url, body)
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
 
@@ -129,7 +86,7 @@ def test_metrics_show_hvd_beside_vllm(server):
     vLLM's worker process: a request's decisions, and token counts equal to its events in SQL."""
     base, db = server
     prompt = "SELECT name FROM singer WHERE age > 20;\nSELECT name FROM singer WHERE age > 20;\n" * 3
-    answer = _post(base + "/v1/completions", {
+    answer = post(base + "/v1/completions", {
         "model": "smollm2", "prompt": prompt, "max_tokens": 24, "temperature": 0,
         "vllm_xargs": {"hvd_tenant": "metrics-co", "hvd_workload": "sql"}})
     generated = answer["usage"]["completion_tokens"]
@@ -160,3 +117,4 @@ def test_metrics_show_hvd_beside_vllm(server):
     assert total(samples, "hvd_gate_outcomes_total") > 0  # its repeated lines drafted from the cache
     assert total(samples, "hvd_champion_version") == total(samples, "hvd_predictor_version", workload="sql") == 1
     assert total(samples, "hvd_events_dropped_total") == 0 and total(samples, "hvd_event_queue_depth") >= 0
+

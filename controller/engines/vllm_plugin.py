@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import atexit
 import logging
+import multiprocessing.util
+import os
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -51,6 +53,8 @@ ENV_ENABLE = "HVD_HYBRID"
 _PATCHED = False
 _CHECKING = False
 _STATES: list["HybridState"] = []
+_FINALIZER_PID: int | None = None  # the process whose multiprocessing exit finalizer drains HVD
+_DRAINED: set[int] = set()  # processes whose exit drain ran
 _LOCK = threading.Lock()
 
 
@@ -221,6 +225,7 @@ def _state(runner) -> "HybridState | None":
             check_version()
             state = HybridState(runner)
             _STATES.append(state)
+            _drain_when_this_process_ends()
         runner._hvd_state = state
     return runner._hvd_state
 
@@ -231,8 +236,25 @@ def finish_held_requests() -> int:
     return sum(s.finish_held() for s in _STATES)
 
 
+def _drain_when_this_process_ends() -> None:
+    """Make this process drain HVD when it ends. A process that exits normally runs its atexit hooks
+    (`_drain_at_exit` is one); vLLM's worker processes, where the hybrid lives in a server, are
+    multiprocessing children, which end with os._exit and run only multiprocessing's exit finalizers,
+    the parent's cleared at the fork: so each process with a hybrid registers one of those too."""
+    global _FINALIZER_PID
+    if _FINALIZER_PID != os.getpid():
+        _FINALIZER_PID = os.getpid()
+        multiprocessing.util.Finalize(None, _drain_at_exit, exitpriority=100)
+
+
 @atexit.register
 def _drain_at_exit() -> None:
+    """Finish the held requests, stop the recorder, drain the services and store the tally, once per
+    process (atexit and multiprocessing's finalizers may both call it). vLLM gives a worker
+    VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5 s) to end before it signals it."""
+    if os.getpid() in _DRAINED:
+        return
+    _DRAINED.add(os.getpid())
     try:
         finish_held_requests()
     except Exception:  # the exit goes on: what is queued still drains
