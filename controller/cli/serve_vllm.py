@@ -20,8 +20,9 @@ name requests use (`--served-model-name`), where it listens (`--host`, `--port`)
 speculative configuration (`--speculative-config`); each of these after `--` is refused with the
 `hvd serve` option to use instead (`OWNED`). Beyond them it sets three defaults, `--dtype` (from the
 CPU: `vllm_engine.cpu_dtype`), `--enforce-eager` and `--shutdown-timeout` (`DEFAULTS`); one of those
-after `--` wins, and HVD leaves its own out. Everything else is vLLM's default: prefix caching on, vLLM's batch limits,
-the model's own context length (8,192 tokens, which the 1 GiB of VLLM_CPU_KVCACHE_SPACE holds)."""
+after `--` wins, and HVD leaves its own out. Everything else is vLLM's default: prefix caching on,
+vLLM's batch limits, the model's own context length (8,192 tokens, which the 1 GiB of
+VLLM_CPU_KVCACHE_SPACE holds)."""
 from __future__ import annotations
 
 import json
