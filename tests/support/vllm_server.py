@@ -31,10 +31,14 @@ def post(url: str, body: dict) -> dict:
 
 
 def start(folder: Path, db: str, extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-    """`hvd serve --engine vllm` on a free port, up and answering /health."""
+    """`hvd serve --engine vllm` on a free port, up and answering /health, in the environment a user's
+    shell would give it: no HVD_* variable, and not the in-process engines' VLLM_ENABLE_V1_MULTIPROCESSING
+    (vllm_engine.cpu_environment), which earlier tests leave in this process and which would put the
+    model runner, and HVD, in vLLM's engine-core process instead of its worker."""
     port = free_port()
     log = (folder / "server.log").open("w")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HVD_")} | (extra_env or {})
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("HVD_") and k != "VLLM_ENABLE_V1_MULTIPROCESSING"} | (extra_env or {})
     proc = subprocess.Popen([str(HVD), "--db", db, "serve", "--engine", "vllm", "--port", str(port)],
                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     log.close()
