@@ -12,7 +12,7 @@ from support.vllm_server import post, start, stop
 
 def test_a_stopped_server_drains_hvd_in_its_worker(tmp_path):
     """vLLM's worker, where the hybrid lives, ends with os._exit (a multiprocessing child): HVD's exit
-    drain runs there through multiprocessing's exit finalizer. Stopped with SIGINT after two requests,
+    drain runs there through multiprocessing's exit finalizer. Stopped with SIGTERM after two requests,
     the server has recorded both (the last one finished at exit: no step came after it) and stored its
     shutdown tally, nothing lost."""
     db = champion_database(tmp_path, {"aider-chat-history": 10})
@@ -23,7 +23,7 @@ def test_a_stopped_server_drains_hvd_in_its_worker(tmp_path):
             post(base + "/v1/completions", {"model": "smollm2", "prompt": text, "max_tokens": 12, "temperature": 0,
                                              "vllm_xargs": {"hvd_tenant": "drain", "hvd_workload": "coding"}})
     finally:
-        stop(proc)
+        stop(proc, group=False)
     records, report = load_traces([recorded])
     assert report.skipped == 0 and len(records) == 2 and {r.tenant for r in records} == {"drain"}
     tallies = [json.loads(line) for line in (spill / "shutdown.jsonl").read_text().splitlines()]

@@ -31,14 +31,11 @@ def post(url: str, body: dict) -> dict:
 
 
 def start(folder: Path, db: str, extra_env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-    """`hvd serve --engine vllm` on a free port, up and answering /health, in the environment a user's
-    shell would give it: no HVD_* variable, and not the in-process engines' VLLM_ENABLE_V1_MULTIPROCESSING
-    (vllm_engine.cpu_environment), which earlier tests leave in this process and which would put the
-    model runner, and HVD, in vLLM's engine-core process instead of its worker."""
+    """`hvd serve --engine vllm` on a free port, up and answering /health (no HVD_* variable of this
+    process reaches it)."""
     port = free_port()
     log = (folder / "server.log").open("w")
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("HVD_") and k != "VLLM_ENABLE_V1_MULTIPROCESSING"} | (extra_env or {})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HVD_")} | (extra_env or {})
     proc = subprocess.Popen([str(HVD), "--db", db, "serve", "--engine", "vllm", "--port", str(port)],
                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     log.close()
@@ -59,11 +56,14 @@ def start(folder: Path, db: str, extra_env: dict[str, str] | None = None) -> tup
     return proc, base
 
 
-def stop(proc: subprocess.Popen, seconds: float = 60.0) -> int:
-    """SIGINT to the server's process group, as Ctrl-C would, and wait until every process of the
-    group has ended (vLLM's worker, where HVD drains, may outlive the API server); SIGKILL after
-    `seconds`."""
-    os.killpg(proc.pid, signal.SIGINT)
+def stop(proc: subprocess.Popen, seconds: float = 60.0, group: bool = True) -> int:
+    """SIGINT to the server's process group, as Ctrl-C would (`group`), or SIGTERM to the server
+    alone, as a service manager stopping its main process would; then wait until every process of the
+    group has ended (the process where HVD drains may outlive the API server); SIGKILL after `seconds`."""
+    if group:
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGTERM)
     deadline = time.time() + seconds
     try:
         code = proc.wait(seconds)
