@@ -74,5 +74,8 @@ def stop(proc: subprocess.Popen, seconds: float = 60.0, group: bool = True) -> i
         return code
     except subprocess.TimeoutExpired:
         pass
-    os.killpg(proc.pid, signal.SIGKILL)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the group ended meanwhile
+        pass
     return proc.wait()
