@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import statistics
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TypeVar
 
@@ -147,6 +147,30 @@ def pooled_decode_rate(decoded: Sequence[tuple[int, float]]) -> float | None:
     if not decoded or seconds <= 0:
         return None
     return sum(t for t, _ in decoded) / seconds
+
+
+def paired_ratios(mine: Sequence[SpecRun], theirs: Sequence[SpecRun], rate: Callable[[SpecRun], float | None]) -> Spread:
+    """`rate` of each of my passes over that of their pass of the same repetition (both in repetition
+    order): the ratio's own spread. Passes of one repetition ran next to each other, so what the
+    shared machine was doing then weighs on both; a ratio of medians hides how far it moved."""
+    if len(mine) != len(theirs) or not mine:
+        raise ValueError(f"pairing needs as many passes on each side, at least one: got {len(mine)} and {len(theirs)}")
+    ratios = []
+    for i, (a, b) in enumerate(zip(mine, theirs)):
+        ra, rb = rate(a), rate(b)
+        if ra is None or rb is None or rb <= 0:
+            raise ValueError(f"repetition {i + 1}: no rate to pair ({ra!r} over {rb!r})")
+        ratios.append(ra / rb)
+    return spread(ratios)
+
+
+def pooled_over_passes(runs: Sequence[SpecRun]) -> float | None:
+    """The pooled decode rate of every request of every pass at once (None if a pass lacks its
+    requests): all the decoding the method did over all the time it took, the rate a long-running
+    server sees, where the median pass's pooled rate keeps only one pass."""
+    if not runs or any(r.requests is None for r in runs):
+        return None
+    return pooled_decode_rate([(tokens, seconds) for r in runs for _, tokens, seconds in r.requests])
 
 
 def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:

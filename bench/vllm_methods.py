@@ -59,8 +59,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from measure import (SPEC_COUNTERS, SpecRun, counter_deltas, pooled_decode_rate, prometheus_counters, promises,  # noqa: E402
-                     rotations, run_from, served_steps, spread, step_part_ms, verdict)
+from measure import (SPEC_COUNTERS, SpecRun, counter_deltas, paired_ratios, pooled_decode_rate,  # noqa: E402
+                     pooled_over_passes, prometheus_counters, promises, rotations, run_from, served_steps, spread,
+                     step_part_ms, verdict)
 from process_cpu import ROLES, cpu_delta, group_cpu  # noqa: E402
 
 from controller.engines import vllm_engine as ve  # noqa: E402
@@ -312,6 +313,7 @@ def report(title: str, results: dict[tuple[str, bool], list[SpecRun]], methods: 
             _cost_lines(runs)
         medians[tag] = med
         _targets(med, size)
+        _paired(results, methods, preload)
     return medians
 
 
@@ -330,6 +332,20 @@ def _cost_lines(runs: list[SpecRun]) -> None:
         print("    the plan's promises kept (accepted / promised draft tokens), median [min-max]: " + "; ".join(
             f"{d} {spread(k[d][1] / k[d][0] for k in kept if d in k).fmt(3)} "
             f"({kept[0][d][1]:.0f} of {kept[0][d][0]:.1f} in the first pass)" for d in sorted(kept[0])))
+
+
+def _paired(results: dict[tuple[str, bool], list[SpecRun]], methods: list[str], preload: bool) -> None:
+    """HVD's decode rates over suffix's pass by pass, and over all passes pooled: how far the ratio
+    itself moved between repetitions, and the one figure that weighs every request of every pass."""
+    if "hvd" not in methods or "suffix" not in methods:
+        return
+    hvd, suffix = results[("hvd", preload)], results[("suffix", preload)]
+    for what, rate in (("per request", lambda r: r.decode_tps), ("pooled", lambda r: r.decode_pooled_tps)):
+        if len(hvd) == len(suffix) and all(rate(r) is not None for r in (*hvd, *suffix)):
+            print(f"  hvd / suffix, decode {what}, pass by pass: {paired_ratios(hvd, suffix, rate).fmt(3)}")
+    h, s = pooled_over_passes(hvd), pooled_over_passes(suffix)
+    if h is not None and s is not None:
+        print(f"  hvd / suffix, decode pooled over every request of every pass: {h / s:.3f} ({h:.1f} / {s:.1f} tok/s)")
 
 
 def _targets(med: dict[str, dict[str, float]], size: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -173,13 +174,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker("postgres")
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The in-process vLLM engines' hybrids live in this process, and its exit drain logs their
+    tally through the handlers vLLM set up at import, on the streams pytest captured then; they are
+    closed when the process exits ("--- Logging error ---" after the summary). Drain while they
+    are open."""
+    plugin = sys.modules.get("controller.engines.vllm_plugin")
+    if plugin is not None:
+        plugin.drain_process()
+
+
 @pytest.fixture(autouse=True)
 def _keep_main_module() -> Iterator[None]:
     """Streamlit's AppTest runs page scripts as `__main__` and leaves them there; multiprocessing's
     'spawn' children re-import whatever `__main__` is, so later multi-process tests would start by
     running a dashboard page. Put the real one back after every test."""
-    import sys
-
     main = sys.modules.get("__main__")
     yield
     if main is not None:

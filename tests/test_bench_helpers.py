@@ -122,6 +122,39 @@ def test_pooled_decode_rate_weighs_requests_by_their_decoding_time():
     assert run.raw().endswith("decode 10.00 tok/s per request (40.00 pooled)")
 
 
+def _served(pooled: float, requests: list[tuple[str, int, float]] | None) -> measure.SpecRun:
+    return measure.SpecRun(tokens=100, seconds=1.0, decode_tps=pooled, decode_pooled_tps=pooled, requests=requests)
+
+
+def test_paired_ratios_divide_each_repetitions_passes_and_say_which_cannot_pair():
+    mine = [_served(110.0, None), _served(90.0, None), _served(130.0, None)]
+    theirs = [_served(100.0, None), _served(100.0, None), _served(100.0, None)]
+    s = measure.paired_ratios(mine, theirs, lambda r: r.decode_pooled_tps)
+    assert (s.median, s.lo, s.hi) == pytest.approx((1.1, 0.9, 1.3))
+    with pytest.raises(ValueError, match="as many passes on each side"):
+        measure.paired_ratios(mine, theirs[:2], lambda r: r.decode_pooled_tps)
+    with pytest.raises(ValueError, match="repetition 2: no rate"):
+        measure.paired_ratios(mine, theirs, lambda r: None if r is theirs[1] else r.decode_pooled_tps)
+
+
+def test_pooled_over_passes_weighs_every_request_of_every_pass():
+    # pass 1: 100 tokens in 1 s; pass 2: 100 tokens in 3 s. The median pass's pooled rate would be one
+    # of 100 or 33.3; over both passes 200 tokens took 4 s.
+    runs = [_served(100.0, [("sql", 60, 0.5), ("agentic", 40, 0.5)]), _served(33.3, [("sql", 100, 3.0)])]
+    assert measure.pooled_over_passes(runs) == 50.0
+    assert measure.pooled_over_passes(runs + [_served(10.0, None)]) is None
+    assert measure.pooled_over_passes([]) is None
+
+
+def test_report_pairs_hvd_and_suffix_pass_by_pass(capsys):
+    results = {("suffix", True): [_served(100.0, [("sql", 100, 1.0)]), _served(50.0, [("sql", 100, 2.0)])],
+               ("hvd", True): [_served(110.0, [("sql", 110, 1.0)]), _served(60.0, [("sql", 120, 2.0)])]}
+    vllm_methods.report("server", results, ["suffix", "hvd"], (True,), 1, "concurrency")
+    out = capsys.readouterr().out
+    assert "hvd / suffix, decode pooled, pass by pass: 1.150 [1.100-1.200]" in out
+    assert "hvd / suffix, decode pooled over every request of every pass: 1.150 (76.7 / 66.7 tok/s)" in out
+
+
 def test_spec_run_refuses_impossible_counts():
     with pytest.raises(ValueError, match="tokens > 0"):
         measure.SpecRun(tokens=0, seconds=1.0)

@@ -54,7 +54,7 @@ SHORT = {"-sc": "--speculative-config"}  # vLLM's short aliases of OWNED options
 #    figure in docs/results has run; `-- --no-enforce-eager` gives vLLM's compiled CPU path.
 #  --shutdown-timeout: vLLM's default, 0, SIGKILLs its worker the moment it is asked to stop, and the
 #    worker is where HVD runs: its last requests, queued events and shutdown tally would be lost
-#    (vllm_plugin._drain_at_exit). SHUTDOWN_SECONDS lets in-flight requests finish and the worker end
+#    (vllm_plugin.drain_process). SHUTDOWN_SECONDS lets in-flight requests finish and the worker end
 #    cleanly, HVD draining as it does.
 DEFAULTS = {"--dtype": "--dtype", "--enforce-eager": "--enforce-eager", "--no-enforce-eager": "--enforce-eager",
             "--shutdown-timeout": "--shutdown-timeout"}

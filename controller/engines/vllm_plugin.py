@@ -238,20 +238,21 @@ def finish_held_requests() -> int:
 
 def _drain_when_this_process_ends() -> None:
     """Make this process drain HVD when it ends. A process that exits normally runs its atexit hooks
-    (`_drain_at_exit` is one); vLLM's worker processes, where the hybrid lives in a server, are
+    (`drain_process` is one); vLLM's worker processes, where the hybrid lives in a server, are
     multiprocessing children, which end with os._exit and run only multiprocessing's exit finalizers,
     the parent's cleared at the fork: so each process with a hybrid registers one of those too."""
     global _FINALIZER_PID
     if _FINALIZER_PID != os.getpid():
         _FINALIZER_PID = os.getpid()
-        multiprocessing.util.Finalize(None, _drain_at_exit, exitpriority=100)
+        multiprocessing.util.Finalize(None, drain_process, exitpriority=100)
 
 
 @atexit.register
-def _drain_at_exit() -> None:
+def drain_process() -> None:
     """Finish the held requests, stop the recorder, drain the services and store the tally, once per
-    process (atexit and multiprocessing's finalizers may both call it). vLLM gives a worker
-    VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5 s) to end before it signals it."""
+    process: the process is ending (atexit and multiprocessing's finalizers both call it; a host
+    that replaced the streams HVD logs to may call it first, while they are open). vLLM gives a
+    worker VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5 s) to end before it signals it."""
     if os.getpid() in _DRAINED:
         return
     _DRAINED.add(os.getpid())
