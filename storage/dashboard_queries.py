@@ -349,6 +349,28 @@ def quality_by_version(session: Session, scope: Scope = ALL_TIME) -> list[dict[s
             for v, sums in _by(session, "predictor_version_id", _conf_sums, scope) if v]
 
 
+def _promise_sums(m) -> tuple:
+    return _sums(m.cache_promised_milli, m.cache_promise_kept, m.model_promised_milli, m.model_promise_kept)
+
+
+def _promises(cache_milli: int, cache_kept: int, model_milli: int, model_kept: int) -> dict[str, Any]:
+    cache, model = cache_milli / 1000.0, model_milli / 1000.0
+    return {"cache_promised": cache, "cache_kept": cache_kept, "cache_share": _ratio(cache_kept, cache),
+            "model_promised": model, "model_kept": model_kept, "model_share": _ratio(model_kept, model)}
+
+
+def promises_by_workload(session: Session, scope: Scope = ALL_TIME) -> list[dict[str, Any]]:
+    """Per workload and over all (workload None, last), per drafter: the tokens the allocator's plans
+    expected the target to accept of what they verified, the tokens it accepted, and their ratio.
+    Calibration over every draft cannot show it: the plan verifies the drafts its curves rate
+    highest, so it is where they overrate that a gate calibrated on average over-promises."""
+    rows = [{"workload": w, **_promises(*sums)} for w, sums in _by(session, "workload", _promise_sums, scope)
+            if w != ALL and (sums[0] or sums[2])]
+    if rows:
+        rows.append({"workload": None, **_promises(*_totals(session, _promise_sums, scope))})
+    return rows
+
+
 def accepted_histograms(session: Session, scope: Scope = ALL_TIME) -> list[dict[str, Any]]:
     """Labelled cache drafts by accepted length (0..24, 24 = 24 or more) per workload (long form),
     summed in SQL (one row per workload comes back, not one per bucket)."""

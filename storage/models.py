@@ -183,6 +183,9 @@ class DecisionEvent(Base):
     # Draft tokens verified (a cache draft's prefix when the allocator cut it); NULL: none verified,
     # or an event from before migration 0007 (its whole draft, when its decision was cache).
     verified_len: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # What the allocator's plan expected the target to accept of the verified tokens (migration 0018);
+    # NULL: nothing verified, no allocator planned the step, or an event from before it.
+    promised: Mapped[float | None] = mapped_column(Float, nullable=True)
     # The inserting transaction's id on PostgreSQL (0 on SQLite, and for rows from before migration
     # 0014): the learner reads in (txid, id) order below the oldest running transaction, so a chunk
     # that commits after a later one was read is still read (storage.events.events_after).
@@ -347,6 +350,12 @@ class StatBucket(Base):
     tokens: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     cycles: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     dropped_events: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    # The plan's promises on what it verified (migration 0018), per drafter: the tokens it expected the
+    # target to accept, in thousandths of a token, and the tokens accepted among those verified drafts.
+    cache_promised_milli: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    cache_promise_kept: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    model_promised_milli: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    model_promise_kept: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
 
 
 class StatHour(Base):
@@ -374,6 +383,10 @@ class StatHour(Base):
     tokens: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
     cycles: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
     dropped_events: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    cache_promised_milli: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    cache_promise_kept: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    model_promised_milli: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
+    model_promise_kept: Mapped[int] = mapped_column(BigInteger, nullable=False, default=0)
 
 
 class DriftEvent(Base):

@@ -47,6 +47,7 @@ class EventLike(Protocol):
     predicted: float | None
     predictor_version_id: int | None
     verified_len: int | None  # None: the whole draft, when its decision was cache
+    promised: float | None  # what the plan expected of the verified tokens; None: no promise
 
 
 @dataclass
@@ -63,6 +64,12 @@ class BucketDelta:
     tokens: int = 0
     cycles: int = 0
     dropped_events: int = 0
+    # The plan's promises (events with one), per drafter: expected accepted tokens in thousandths of a
+    # token (kept an integer like every counter), and the tokens accepted among those verified.
+    cache_promised_milli: int = 0
+    cache_promise_kept: int = 0
+    model_promised_milli: int = 0
+    model_promise_kept: int = 0
     accepted_hist: list[int] = field(default_factory=lambda: [0] * HIST_BINS)
 
     def merge(self, other: "BucketDelta") -> "BucketDelta":
@@ -143,6 +150,14 @@ def aggregate_into(deltas: dict[BucketKey, BucketDelta], events: Iterable[EventL
         draft, accepted = verified_tokens(e)
         d.draft_tokens += draft
         d.accepted_tokens += accepted
+        if e.promised is not None and draft:
+            milli = round(1000.0 * e.promised)
+            if e.drafter == "cache":
+                d.cache_promised_milli += milli
+                d.cache_promise_kept += accepted
+            else:
+                d.model_promised_milli += milli
+                d.model_promise_kept += accepted
     return deltas
 
 

@@ -89,9 +89,12 @@ def known_database(folder: Path) -> str:
                           model_mean_accepted=1.0, reason="test", replica="r1")
 
     with session_scope(engine) as s:
-        s.add_all([bucket(0, "acme", "code_edit", tokens=300, cycles=100, tp=3, fp=1, fn=2, draft_tokens=500),
+        s.add_all([bucket(0, "acme", "code_edit", tokens=300, cycles=100, tp=3, fp=1, fn=2, draft_tokens=500,
+                          cache_promised_milli=12_500, cache_promise_kept=10, model_promised_milli=2_000,
+                          model_promise_kept=1),
                    bucket(1, "acme", "chat", tokens=100, cycles=80, tp=1, fp=1, fn=0),
-                   bucket(1, "zeta", "code_edit", tokens=200, cycles=70, tp=2, fp=0, fn=1),
+                   bucket(1, "zeta", "code_edit", tokens=200, cycles=70, tp=2, fp=0, fn=1,
+                          cache_promised_milli=7_500, cache_promise_kept=8),
                    bucket(1, ALL, ALL, dropped_events=4)])
         # No long draft among the sampled events: the PR curve has no recall, and the page still renders.
         s.add_all(DecisionEvent(at=T0, tenant="acme", workload="chat", request_id="r", position=i, drafter="cache",
@@ -239,6 +242,22 @@ def test_health_shows_dead_letters_and_warns_of_a_retrying_service(known_db):
         "retrying", 3, 5, "database is locked")
     assert learner["Last success (UTC)"] == T0 - timedelta(minutes=1)
     assert at.dataframe[3].value["State"].tolist() == ["stopped", "stopped"]
+
+
+def test_promises_kept_worked_out_by_hand(known_db):
+    at = run(page("quality"))
+    tables = [t.value for t in at.table if "Cache: promised" in t.value.columns]
+    assert len(tables) == 1
+    table = tables[0]
+    # code_edit: cache 12.5 + 7.5 = 20.0 promised, 10 + 8 = 18 accepted; model 2.0 promised, 1 accepted.
+    # chat promised nothing (no row); "all" sums every workload.
+    assert list(table.index) == ["code_edit", "all"]
+    for row in ("code_edit", "all"):
+        assert table.loc[row].tolist() == ["20.0", "18", "0.900", "2.0", "1", "0.500"]
+    at.selectbox(key="workload").select("chat")
+    run(at)
+    assert not [t for t in at.table if "Cache: promised" in t.value.columns]
+    assert any("No verified draft with a plan's promise" in i.value for i in at.info)
 
 
 def test_thresholds_shows_the_newest_tau_of_each_workload(known_db):

@@ -300,3 +300,36 @@ def test_a_perfect_predictor_keeps_every_promise_and_a_gate_is_held_to_its_own(r
     assert promised == pytest.approx(gated.stats.promised) and promised > 0
     assert gated.stats.promised_accepted == gated.stats.verified_accepted  # every verified draft was planned
     assert gated.stats.promised != pytest.approx(gated.stats.promised_accepted, rel=0.01)  # a random gate misjudges
+
+
+def _promise_sums(runtime: Runtime) -> tuple[float, int, float, int]:
+    """(cache promised, cache kept, model promised, model kept) over the runtime's events, as the
+    statistics store them (every bucket summed)."""
+    deltas = aggregate(runtime.events.get_batch(1 << 30)).values()
+    return (sum(d.cache_promised_milli for d in deltas) / 1000, sum(d.cache_promise_kept for d in deltas),
+            sum(d.model_promised_milli for d in deltas) / 1000, sum(d.model_promise_kept for d in deltas))
+
+
+def test_the_events_carry_the_plans_promises_into_the_statistics(records, tokenizer):
+    """Each verified draft's event carries what the plan promised of it, so the stored statistics hold
+    the runtime's tally (to the thousandth of a token they are kept in): a perfect predictor's cache
+    promises equal what its drafts accepted; a gate's, its own count, model drafts included."""
+    drafter = drafter_profiles()["eagle3-1.75"]
+    some = [r for r in records if r.workload in ("sql", "chat", "coding")][:6]
+
+    def serve(oracle: str | None) -> Runtime:
+        runtime = Runtime(random_survival_gate(), token_classes(tokenizer), DecisionConfig(), version_id=1)
+        run_replay(runtime, some, tokenizer, drafter, batch_size=3, oracle=oracle)
+        return runtime
+
+    perfect = serve("predictor")
+    cache_promised, cache_kept, model_promised, _ = _promise_sums(perfect)
+    assert cache_kept > 20 and cache_promised == pytest.approx(cache_kept, abs=0.05)
+    gated = serve(None)
+    cache_promised, cache_kept, model_promised, model_kept = _promise_sums(gated)
+    assert model_kept > 0 and cache_kept > 0
+    # The runtime counts what the engine accepted (tokens emitted - 1), the events what the output
+    # realised: they part only where a request's last step ends inside the verified tokens (no bonus
+    # token), at most once a request.
+    assert 0 <= cache_kept + model_kept - gated.stats.promised_accepted <= len(some)
+    assert cache_promised + model_promised == pytest.approx(gated.stats.promised, abs=0.001 * gated.stats.verified_drafts)

@@ -47,21 +47,24 @@ SPAWN = mp.get_context("spawn")
 
 def ev(at: float = T0, tenant: str = "t", workload: str = "code", drafter: str = "cache", decision: str = "cache",
        draft_len: int = 8, accepted: int = 0, predicted: float | None = None, version: int | None = None,
-       request_id: str = "r", position: int = 0, verified_len: int | None = None) -> LabelledEvent:
+       request_id: str = "r", position: int = 0, verified_len: int | None = None,
+       promised: float | None = None) -> LabelledEvent:
     return LabelledEvent(at, tenant, workload, request_id, position, drafter, decision, draft_len, accepted,
-                         predicted, 1.0, version, None, verified_len)
+                         predicted, 1.0, version, None, verified_len, promised)
+
+
+BUCKET_FIELDS = ("cache_drafts", "cache_verified", "model_drafts", "draft_tokens", "accepted_tokens", "tp", "fp", "fn",
+                 "tn", "tokens", "cycles", "dropped_events", "cache_promised_milli", "cache_promise_kept",
+                 "model_promised_milli", "model_promise_kept", "accepted_hist")
+NO_PROMISES = dict(cache_promised_milli=0, cache_promise_kept=0, model_promised_milli=0, model_promise_kept=0)
 
 
 def _bucket_dict(b: StatBucket) -> dict:
-    return {name: getattr(b, name) for name in
-            ("cache_drafts", "cache_verified", "model_drafts", "draft_tokens", "accepted_tokens", "tp", "fp",
-             "fn", "tn", "tokens", "cycles", "dropped_events", "accepted_hist")}
+    return {name: getattr(b, name) for name in BUCKET_FIELDS}
 
 
 def _delta_dict(d: BucketDelta) -> dict:
-    return {name: getattr(d, name) for name in
-            ("cache_drafts", "cache_verified", "model_drafts", "draft_tokens", "accepted_tokens", "tp", "fp",
-             "fn", "tn", "tokens", "cycles", "dropped_events", "accepted_hist")}
+    return {name: getattr(d, name) for name in BUCKET_FIELDS}
 
 
 def _db_as_deltas(engine: Engine) -> dict:
@@ -94,7 +97,8 @@ def test_aggregate_exact_counters_histogram_and_confusion() -> None:
     hist[7] = hist[2] = hist[6] = hist[0] = hist[24] = 1
     assert _delta_dict(d) == dict(cache_drafts=5, cache_verified=3, model_drafts=2,
                                   draft_tokens=10 + 4 + 24 + 5 + 5, accepted_tokens=7 + 0 + 40 + 3 + 5,
-                                  tp=1, fp=1, fn=1, tn=1, tokens=0, cycles=0, dropped_events=0, accepted_hist=hist)
+                                  tp=1, fp=1, fn=1, tn=1, tokens=0, cycles=0, dropped_events=0, **NO_PROMISES,
+                                  accepted_hist=hist)
     d1 = got[(bucket_start(T0 + 60), "t", "code", 0)]
     assert (d1.cache_drafts, d1.cache_verified, d1.tn, d1.accepted_hist[1]) == (1, 1, 1, 1)
     d2 = got[(bucket_start(T0), "u", "code", 4)]
@@ -109,6 +113,20 @@ def test_a_cut_cache_draft_counts_only_its_verified_prefix() -> None:
                    ev(accepted=5, draft_len=6, verified_len=None)])[(bucket_start(T0), "t", "code", 0)]
     assert (d.cache_verified, d.draft_tokens, d.accepted_tokens) == (3, 3 + 3 + 6, 3 + 1 + 5)
     assert d.accepted_hist[7] == d.accepted_hist[1] == d.accepted_hist[5] == 1
+
+
+def test_promises_count_per_drafter_against_what_was_accepted_of_what_was_verified() -> None:
+    # A cut cache draft promised 2.5 of its 3 verified tokens and its label is 7 (3 kept); a whole one
+    # 1.25 of 4 (1 kept); a model draft 1.9 of 3 (2 kept). A shadow draft and a cache draft without a
+    # promise (no allocator planned its step) count nothing here, though their tokens count as before.
+    d = aggregate([ev(accepted=7, draft_len=10, verified_len=3, promised=2.5),
+                   ev(accepted=1, draft_len=4, promised=1.25),
+                   ev(drafter="model", decision="model", draft_len=3, accepted=2, promised=1.9),
+                   ev(accepted=5, decision="shadow", draft_len=8),
+                   ev(accepted=2, draft_len=4)])[(bucket_start(T0), "t", "code", 0)]
+    assert (d.cache_promised_milli, d.cache_promise_kept) == (3750, 4)
+    assert (d.model_promised_milli, d.model_promise_kept) == (1900, 2)
+    assert (d.draft_tokens, d.accepted_tokens) == (3 + 4 + 3 + 4, 3 + 1 + 2 + 2)
 
 
 def test_add_steps_and_dropped() -> None:

@@ -84,7 +84,7 @@ def _new_version(session, blob: bytes = b"weights", **overrides) -> PredictorVer
 def test_upgrade_creates_tables_matching_models(engine: Engine) -> None:
     assert current_revision(engine) is None
     upgrade(engine)
-    assert current_revision(engine) == _head_revision() == "0017"
+    assert current_revision(engine) == _head_revision() == "0018"
     assert TABLES <= set(inspect(engine).get_table_names())
     with engine.connect() as conn:
         ctx = MigrationContext.configure(conn, opts={"compare_type": True})
@@ -95,7 +95,7 @@ def test_upgrade_creates_tables_matching_models(engine: Engine) -> None:
 def test_upgrade_is_idempotent(engine: Engine) -> None:
     upgrade(engine)
     upgrade(engine)
-    assert current_revision(engine) == "0017"
+    assert current_revision(engine) == "0018"
 
 
 def test_downgrade_one_step_keeps_earlier_data(engine: Engine) -> None:
@@ -152,7 +152,7 @@ def test_upgrade_accepts_url(db_url: str) -> None:
     upgrade(db_url)
     eng = make_engine(db_url)
     try:
-        assert current_revision(eng) == "0017"
+        assert current_revision(eng) == "0018"
     finally:
         eng.dispose()
 
@@ -164,7 +164,7 @@ def test_cli_alembic_ini(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     command.upgrade(Config(str(ini)), "head")
     eng = make_engine(url)
     try:
-        assert current_revision(eng) == "0017"
+        assert current_revision(eng) == "0018"
     finally:
         eng.dispose()
 

@@ -63,6 +63,11 @@ class LabelledEvent:
     # Draft tokens the engine verified: a prefix of a cache draft the allocator cut (the label is the
     # whole draft's, for learning); None when nothing of this draft was verified.
     verified_len: int | None = None
+    # What the allocator's plan expected the target to accept of the tokens the engine verified (the
+    # draft's survival curve, or the model drafter's, summed over them); None where nothing was
+    # verified or no allocator planned the step. Beside the tokens accepted among them it says whether
+    # the plan over-promises on the drafts it acts on.
+    promised: float | None = None
 
     def to_row(self) -> dict:
         from datetime import datetime, timezone
@@ -72,7 +77,7 @@ class LabelledEvent:
             "request_id": self.request_id, "position": self.position, "drafter": self.drafter,
             "decision": self.decision, "draft_len": self.draft_len, "accepted": self.accepted,
             "predicted": self.predicted, "tau": self.tau, "predictor_version_id": self.predictor_version_id,
-            "features": self.features, "verified_len": self.verified_len,
+            "features": self.features, "verified_len": self.verified_len, "promised": self.promised,
         }
 
 

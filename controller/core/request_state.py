@@ -22,6 +22,7 @@ class CacheDraftRecord:
     version_id: int | None
     features: bytes  # the float32 feature row the gate saw
     verified_len: int | None = None  # the prefix the step verified (cache decisions only)
+    promised: float | None = None  # what the plan expected of the verified prefix (LabelledEvent.promised)
 
 
 @quick_init  # one per verified draft, on the decode path

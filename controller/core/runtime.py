@@ -536,21 +536,23 @@ class Runtime:
         n = v.draft_len if verified is None else min(verified, v.draft_len)
         if n < v.draft_len:
             self.stats.engine_cut += 1
-            if v.tracked is not None and v.tracked in st.records:
-                st.records[v.tracked] = replace(st.records[v.tracked], verified_len=n or None)
+        promised = None if v.promised is None or n == 0 else sum(v.promised[:n])
+        if v.tracked is not None and (n < v.draft_len or promised is not None):
+            record = st.records.get(v.tracked)
+            if record is not None:  # its event says what was verified and promised
+                st.records[v.tracked] = replace(record, verified_len=n or None, promised=promised)
         if n == 0:
             return
         accepted = max(0, min(emitted - 1, n))
         self.stats.count_verified(n, accepted)
-        if v.promised is not None:
-            promised = sum(v.promised[:n])
+        if promised is not None:
             self.stats.promised += promised
             self.stats.promised_accepted += accepted
             if self.metrics is not None:
                 self.metrics.promised(st.workload, st.tenant, DRAFTER_MODEL if v.model else DRAFTER_CACHE, promised)
         self.stats.accepted_not_output += max(0, accepted - kept)
         if v.model:
-            self._emit_model(st, v, n, accepted)
+            self._emit_model(st, v, n, accepted, promised)
         if self.rival is not None:
             self._rival_seen.append((MODEL if v.model else CACHE, n, accepted, v.token_prob))
 
@@ -769,7 +771,7 @@ class Runtime:
     def _emit_cache(self, st: RequestState, d: CacheDraftRecord, label: int, now: float) -> None:
         self.events.put(LabelledEvent(now, st.tenant, st.workload, st.req_id, d.position, DRAFTER_CACHE,
                                       d.decision, d.draft_len, label, d.predicted, d.tau, d.version_id, d.features,
-                                      d.verified_len))
+                                      d.verified_len, d.promised))
 
     def _report_emitted(self, snap: ServingSnapshot, now: float) -> None:
         if self._emitted and self.stats_sink is not None:
@@ -777,13 +779,14 @@ class Runtime:
                 self.stats_sink.add_steps(now, tenant, workload, snap.version_id or 0, tokens, cycles)
         self._emitted = {}
 
-    def _emit_model(self, st: RequestState, m: VerifiedDraft, verified: int, accepted: int) -> None:
+    def _emit_model(self, st: RequestState, m: VerifiedDraft, verified: int, accepted: int,
+                    promised: float | None) -> None:
         self.stats.model_drafts += 1
         self.stats.model_accepted += accepted
         w = st.hindsight.workload
         self.model_curves.observe(w, verified, accepted)
         self.events.put(LabelledEvent(self._clock(), st.tenant, st.workload, st.req_id, m.position, DRAFTER_MODEL,
-                                      "model", verified, accepted, None, None, m.version_id, None))
+                                      "model", verified, accepted, None, None, m.version_id, None, None, promised))
 
 
 def _resolve_overrides(controls: Controls, states: Sequence[RequestState], auto_tau: np.ndarray, allowed: np.ndarray,

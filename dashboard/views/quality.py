@@ -1,5 +1,5 @@
 """Predictor quality: precision/recall at accepted length >= 6 per workload, each workload's PR curve,
-calibration, accepted-length histograms."""
+calibration, the plan's promises kept on what it verified, accepted-length histograms."""
 from __future__ import annotations
 
 import altair as alt
@@ -25,6 +25,7 @@ with read_session(engine) as s:
     by_version = q.quality_by_version(s, scope)
     hist = q.accepted_histograms(s, scope)
     calib = q.calibration(s, scope)
+    promises = q.promises_by_workload(s, scope)
     curves = q.pr_curves(s, scope)
 data_as_of(scope)
 
@@ -104,6 +105,29 @@ if calib:
                  tooltip("mean_accepted:Q", "Mean observed", ".2f"), tooltip("events:Q", "Drafts", ",d")])
     st.altair_chart(diag + pts, width="stretch")
     st.caption("Good: points on the dashed diagonal (predicted = observed) in every 1-token bin of the prediction.")
+
+PROMISES = {"workload": "Workload", "cache_promised": "Cache: promised", "cache_kept": "Cache: accepted",
+            "cache_share": "Cache: kept", "model_promised": "Model: promised", "model_kept": "Model: accepted",
+            "model_share": "Model: kept"}
+st.subheader("Promises kept on the verified drafts")
+if promises:
+    table = pd.DataFrame(promises)[list(PROMISES)]
+    table["workload"] = table["workload"].fillna("all")
+    for col in ("cache_promised", "model_promised"):
+        table[col] = table[col].map(lambda v: fmt(float(v), 1))
+    for col in ("cache_share", "model_share"):
+        table[col] = table[col].map(lambda v: fmt(None if pd.isna(v) else float(v)))
+    for col in ("cache_kept", "model_kept"):
+        table[col] = table[col].map(lambda v: fmt(int(v)))
+    st.table(table.rename(columns=PROMISES).set_index("Workload"))
+    st.caption("Of the draft tokens the engine verified: the tokens the allocator's plan expected the target to "
+               "accept (each draft's survival curve, or the model drafter's, summed over what was verified), the "
+               "tokens it accepted, and their ratio. Good: kept near 1. Below it the plan over-promises on the "
+               "drafts it acts on (it picks those its curves rate highest, so it is where they overrate), which "
+               "the calibration above, over every draft, cannot show; above it, it under-promises. Steps planned "
+               "by a fixed tau or a competitor's rule promise nothing.")
+else:
+    st.info("No verified draft with a plan's promise in this selection.")
 
 st.subheader("Per predictor version")
 if by_version:
