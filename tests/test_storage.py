@@ -391,3 +391,49 @@ def test_learning_room_refuses_what_the_table_cannot_hold_and_keeps_what_is_stor
     with session_scope(db) as s:
         assert prune_learning_room(s, 1) == 2 and prune_learning_room(s, 1) == 0
         assert [(r.workload, r.headroom) for r in readback.learning_room(s)] == [("sql", 0.047)]  # the newest kept
+
+
+def test_migration_0018_adds_the_promises_and_keeps_what_is_stored(engine: Engine) -> None:
+    """Events and statistics stored before the plan's promises were: kept as they were, with no
+    promise (NULL, 0); new sums add onto the old rows; and down again, the rows stay."""
+    from datetime import datetime, timezone
+
+    import sqlalchemy as sa
+
+    from storage.stats import BucketDelta, HIST_BINS, upsert_buckets
+
+    upgrade(engine, "0017")
+    start = datetime(2026, 12, 7, 12, 0, tzinfo=timezone.utc)
+    typed = {"at": sa.DateTime(timezone=True), "bucket_start": sa.DateTime(timezone=True), "accepted_hist": sa.JSON()}
+    events = sa.table("decision_events", *(sa.column(c, typed.get(c)) for c in (
+        "at", "tenant", "workload", "request_id", "position", "drafter", "decision", "draft_len", "accepted",
+        "predicted", "tau", "predictor_version_id", "features", "verified_len", "txid")))
+    buckets = sa.table("stat_buckets", *(sa.column(c, typed.get(c)) for c in (
+        "bucket_start", "tenant", "workload", "predictor_version_id", "cache_drafts", "cache_verified", "model_drafts",
+        "draft_tokens", "accepted_tokens", "accepted_hist", "tp", "fp", "fn", "tn", "tokens", "cycles",
+        "dropped_events")))
+    with engine.begin() as c:
+        c.execute(sa.insert(events).values(at=start, tenant="t", workload="sql", request_id="r", position=3,
+                                           drafter="cache", decision="cache", draft_len=8, accepted=5, predicted=4.5,
+                                           tau=1.0, predictor_version_id=None, features=None, verified_len=6, txid=0))
+        c.execute(sa.insert(buckets).values(dict(  # a dict: `fn` is also the name of values()'s own argument
+            bucket_start=start, tenant="t", workload="sql", predictor_version_id=0, cache_drafts=1, cache_verified=1,
+            model_drafts=0, draft_tokens=6, accepted_tokens=5, accepted_hist=[0] * HIST_BINS, tp=0, fp=0, fn=0, tn=1,
+            tokens=6, cycles=1, dropped_events=0)))
+    upgrade(engine)
+    with engine.connect() as c:
+        assert c.execute(sa.text("SELECT accepted, verified_len, promised FROM decision_events")).one() == (5, 6, None)
+        assert tuple(c.execute(sa.text("SELECT draft_tokens, accepted_tokens, cache_promised_milli, cache_promise_kept, "
+                                       "model_promised_milli, model_promise_kept FROM stat_buckets")).one()) \
+            == (6, 5, 0, 0, 0, 0)
+    with session_scope(engine) as s:
+        upsert_buckets(s, {(start, "t", "sql", 0): BucketDelta(cache_drafts=1, cache_promised_milli=2_500,
+                                                               cache_promise_kept=2)})
+    with engine.connect() as c:
+        assert tuple(c.execute(sa.text("SELECT cache_drafts, cache_promised_milli, cache_promise_kept "
+                                       "FROM stat_buckets")).one()) == (2, 2_500, 2)
+    downgrade(engine, "0017")
+    with engine.connect() as c:
+        assert c.execute(sa.text("SELECT accepted, verified_len FROM decision_events")).one() == (5, 6)
+        assert c.execute(sa.text("SELECT cache_drafts FROM stat_buckets")).scalar_one() == 2
+    assert "promised" not in {col["name"] for col in inspect(engine).get_columns("decision_events")}
