@@ -24,3 +24,12 @@ def test_rows_carry_ms_per_1k_and_exact_counts() -> None:
     assert _row(text, "sql") == ["sql", "2000", "250.0", "617.0", "300", "200", "7"]
     assert _row(text, "overall") == ["overall", "3000", "300.0", "666.7", "400", "500", "10"]
     assert text.splitlines()[4].startswith("480 engine steps; 1.5 s; promotions none")
+
+
+def test_the_summary_says_how_far_the_plans_promises_were_kept() -> None:
+    run = ReplayRun({"sql": Tally(tokens=100, cycles=50, wasted=0, cache_cycles=50, model_cycles=0, time_ms=10.0)},
+                    steps=50)
+    text = format_serve_summary(ServeResult(run, [], [], EventTally(9, 9, 0, 0, 0), False, 1.0, [], (250.0, 220)))
+    assert "the plan's promises kept: 220 of 250.0 accepted tokens expected of the verified drafts (0.880)" in text
+    quiet = format_serve_summary(ServeResult(run, [], [], EventTally(9, 9, 0, 0, 0), False, 1.0))
+    assert "promises" not in quiet  # no plan promised (a fixed tau, a competitor's rule)

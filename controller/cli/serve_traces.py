@@ -44,6 +44,9 @@ class ServeResult:
     interrupted: bool
     seconds: float
     services: list[Health] = field(default_factory=list)  # each service's state at exit
+    # The allocator's plans: the tokens they expected the target to accept of what was verified, and the
+    # tokens it accepted (RuntimeStats.promised, promised_accepted); (0.0, 0) when no plan promised.
+    promises: tuple[float, int] = (0.0, 0)
 
     @property
     def events_written(self) -> int:
@@ -168,4 +171,5 @@ def serve_replay(engine: Engine, records: Sequence[TraceRecord], opts: ReplaySer
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
     return ServeResult(run, learner.stats.promotions if learner else [], learner.stats.drifts if learner else [],
-                       tally, interrupted, time.monotonic() - start, stack.health())
+                       tally, interrupted, time.monotonic() - start, stack.health(),
+                       (runtime.stats.promised, runtime.stats.promised_accepted))
