@@ -229,6 +229,14 @@ FIT_ERROR = 0.25
 PRIOR_OFF = 3.0
 
 
+def _scaled(profile: CostProfile, factor: float) -> CostProfile:
+    """`profile` on a machine `factor` times slower: every time it prices, times `factor`."""
+    times = ("base_ms", "per_token_ms", "draft_token_ms", "batch8_base_ms", "batch8_per_token_ms",
+             "batch8_draft_token_ms", "draft_call_ms", "per_request_ms", "compute_ms_per_token")
+    return dataclasses.replace(profile, name=f"{profile.name}-x{factor:.2f}",
+                               **{f: getattr(profile, f) * factor for f in times if getattr(profile, f) is not None})
+
+
 def _far_prior(prior: CostProfile, decode: list) -> CostProfile:
     """`prior` scaled to price this run's decode steps PRIOR_OFF times too dear (median), whatever
     machine the run is on: against the bundled profile alone, a fit and its prior cannot be told apart
@@ -270,14 +278,6 @@ def _first_fit_error(prior: CostProfile, decode: list, min_samples: int) -> tupl
     by_prior = np.array([prior.step_ms(t.batch, t.query_tokens, t.model_k) for t in later])
     return (float(np.median(np.abs(predicted - measured) / measured)),
             float(np.median(np.abs(by_prior - measured) / measured)))
-
-
-def _scaled(profile: CostProfile, factor: float) -> CostProfile:
-    """`profile` on a machine `factor` times slower: every time it prices, times `factor`."""
-    times = ("base_ms", "per_token_ms", "draft_token_ms", "batch8_base_ms", "batch8_per_token_ms",
-             "batch8_draft_token_ms", "draft_call_ms", "per_request_ms", "compute_ms_per_token")
-    return dataclasses.replace(profile, name=f"{profile.name}-x{factor:.2f}",
-                               **{f: getattr(profile, f) * factor for f in times if getattr(profile, f) is not None})
 
 
 def test_the_first_live_fit_from_the_first_decode_steps_predicts_the_later_ones(run):
