@@ -339,9 +339,10 @@ def quality_by_bucket(session: Session, scope: Scope = ALL_TIME,
 
 
 def quality_by_workload(session: Session, scope: Scope = ALL_TIME) -> list[dict[str, Any]]:
-    """The question the product answers per workload: precision, recall and counts at >= LONG."""
-    return [{"workload": w, **_quality(*sums)}
-            for w, sums in _by(session, "workload", _conf_sums, scope) if w != ALL]
+    """The question the product answers per workload: precision, recall and counts at >= LONG; and,
+    from the same query, the plans' promises (`promises_by_workload` reads them)."""
+    return [{"workload": w, **_quality(*sums[:4]), **_promises(*sums[4:])}
+            for w, sums in _by(session, "workload", lambda m: _conf_sums(m) + _promise_sums(m), scope) if w != ALL]
 
 
 def quality_by_version(session: Session, scope: Scope = ALL_TIME) -> list[dict[str, Any]]:
@@ -359,15 +360,19 @@ def _promises(cache_milli: int, cache_kept: int, model_milli: int, model_kept: i
             "model_promised": model, "model_kept": model_kept, "model_share": _ratio(model_kept, model)}
 
 
-def promises_by_workload(session: Session, scope: Scope = ALL_TIME) -> list[dict[str, Any]]:
-    """Per workload and over all (workload None, last), per drafter: the tokens the allocator's plans
+def promises_by_workload(per_workload: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """From `quality_by_workload`'s rows (no query of its own), the workloads whose plans promised
+    anything and their sum (workload None, last), per drafter: the tokens the allocator's plans
     expected the target to accept of what they verified, the tokens it accepted, and their ratio.
     Calibration over every draft cannot show it: the plan verifies the drafts its curves rate
     highest, so it is where they overrate that a gate calibrated on average over-promises."""
-    rows = [{"workload": w, **_promises(*sums)} for w, sums in _by(session, "workload", _promise_sums, scope)
-            if w != ALL and (sums[0] or sums[2])]
-    if rows:
-        rows.append({"workload": None, **_promises(*_totals(session, _promise_sums, scope))})
+    keys = ("cache_promised", "cache_kept", "cache_share", "model_promised", "model_kept", "model_share")
+    rows = [{"workload": r["workload"], **{k: r[k] for k in keys}}
+            for r in per_workload if r["cache_promised"] or r["model_promised"]]
+    if rows:  # sums of thousandths of a token, as stored: exact
+        milli = [sum(round(1000 * r[k]) for r in rows) for k in ("cache_promised", "model_promised")]
+        kept = [sum(r[k] for r in rows) for k in ("cache_kept", "model_kept")]
+        rows.append({"workload": None, **_promises(milli[0], kept[0], milli[1], kept[1])})
     return rows
 
 

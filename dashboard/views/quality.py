@@ -20,12 +20,12 @@ with read_session(engine) as s:
     scope = page_scope(s)
     totals = q.quality_totals(s, scope)
     per_workload = q.quality_by_workload(s, scope)
+    promises = q.promises_by_workload(per_workload)
     resolution = q.bucket_resolution(s, scope)
     by_bucket = q.quality_by_bucket(s, scope, resolution)
     by_version = q.quality_by_version(s, scope)
     hist = q.accepted_histograms(s, scope)
     calib = q.calibration(s, scope)
-    promises = q.promises_by_workload(s, scope)
     curves = q.pr_curves(s, scope)
 data_as_of(scope)
 
