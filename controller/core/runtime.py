@@ -400,14 +400,20 @@ class Runtime:
         decision = ["shadow"] * len(rows)
         row_tau = [float("nan")] * len(rows)
         row_verified: list[int | None] = [None] * len(rows)
+        row_promised: list[float | None] = [None] * len(rows)
+        curves = sc.curves
+        cache_promise: list[tuple[float, ...] | None] = [None] * len(row_of)  # S(1..c) of each verified cache prefix
         for i, r in enumerate(row_of):
             if r >= 0:
                 decision[r], row_tau[r] = SOURCE_NAMES[source[i]], held[i]
                 if source[i] == CACHE:
                     row_verified[r] = cut[i]
-        self._record(snap, rows, sc.x, sc.row_pred, decision, row_tau, now, row_verified)
+                    if curves is not None:
+                        cache_promise[i] = tuple(curves[i, : cut[i]].tolist())
+                        row_promised[r] = sum(cache_promise[i])
+        self._record(snap, rows, sc.x, sc.row_pred, decision, row_tau, now, row_verified, row_promised)
         stats = self.stats
-        decisions, owners, model_k, curves = stats.decisions, rows.owners, pl.model_k, sc.curves
+        decisions, owners, model_k = stats.decisions, rows.owners, pl.model_k
         for i, (st, src, c) in enumerate(zip(states, source, cut)):
             decisions[SOURCE_NAMES[src]] += 1
             if src == MODEL:
@@ -417,7 +423,7 @@ class Runtime:
             elif src == CACHE:
                 st.verifying = VerifiedDraft(st.hindsight.output_len, c, False, None, owners[row_of[i]][1],
                                              None if pl.token_prob is None else tuple(pl.token_prob[i].tolist()),
-                                             None if curves is None else tuple(curves[i, :c].tolist()))
+                                             cache_promise[i])
         if model_k:
             stats.model_k_steps[model_k] = stats.model_k_steps.get(model_k, 0) + 1
             if CACHE in source:
@@ -534,13 +540,11 @@ class Runtime:
         them accepted. Only what was verified counts: the statistics, the model drafter's live
         curve and the cache draft's recorded verified length."""
         n = v.draft_len if verified is None else min(verified, v.draft_len)
-        if n < v.draft_len:
-            self.stats.engine_cut += 1
         promised = None if v.promised is None or n == 0 else sum(v.promised[:n])
-        if v.tracked is not None and (n < v.draft_len or promised is not None):
-            record = st.records.get(v.tracked)
-            if record is not None:  # its event says what was verified and promised
-                st.records[v.tracked] = replace(record, verified_len=n or None, promised=promised)
+        if n < v.draft_len:  # its record (made with the plan's prefix and promise) says what was verified
+            self.stats.engine_cut += 1
+            if v.tracked is not None and v.tracked in st.records:
+                st.records[v.tracked] = replace(st.records[v.tracked], verified_len=n or None, promised=promised)
         if n == 0:
             return
         accepted = max(0, min(emitted - 1, n))
@@ -617,7 +621,8 @@ class Runtime:
         return apply_calibration(curves, rows.lengths(), slope, bias) if hit else curves
 
     def _record(self, snap: ServingSnapshot, rows: "_StepDrafts", x: np.ndarray, predicted: np.ndarray,
-                decision: list[str], tau: list[float], now: float, verified: list[int | None] | None = None) -> None:
+                decision: list[str], tau: list[float], now: float, verified: list[int | None] | None = None,
+                promised: list[float | None] | None = None) -> None:
         """Each draft of the step gets its record, complete, credited to the version that scored
         it; the drafts this step both made and labelled go out now."""
         owners = rows.owners
@@ -632,7 +637,8 @@ class Runtime:
                                                        float(preds[r]), tau[r],
                                                        version if versions is None else versions[r],
                                                        blob[r * width : (r + 1) * width],
-                                                       None if verified is None else verified[r])
+                                                       None if verified is None else verified[r],
+                                                       None if promised is None else promised[r])
         self.stats.cache_drafts += len(rows)
         for st, tracked, label in rows.labelled:
             self._emit_cache(st, st.records.pop(tracked), label, now)
