@@ -88,6 +88,9 @@ class SpecRun:
     # HVD's servers: per drafter, (tokens the allocator's plan expected of what was verified, tokens
     # accepted) over the run (hvd_promised_tokens, hvd_accepted_tokens).
     promises: dict[str, tuple[float, float]] | None = None
+    # A server measuring the served upper bound (HVD_ORACLE): its measured requests by outcome
+    # (matched, missing, diverged: hvd_oracle_requests), so the figure says how much traffic it covered.
+    oracle: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         if self.tokens <= 0 or self.seconds <= 0:
@@ -133,8 +136,9 @@ class SpecRun:
         steps = "" if self.served_steps is None else f", steps {self.served_steps}"
         if self.step_wall_ms is not None:
             steps += f" ({self.step_wall_ms:.1f} ms apart)"
+        oracle = "" if self.oracle is None else ", oracle " + " ".join(f"{k} {v}" for k, v in sorted(self.oracle.items()))
         return (f"{self.tokens} tok/{self.seconds:.2f} s, drafts {self.drafts}, draft tok {self.draft_tokens}, "
-                f"accepted {self.accepted}{steps}{decode}")
+                f"accepted {self.accepted}{steps}{decode}{oracle}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -254,6 +258,14 @@ def promises(before: str, after: str) -> dict[str, tuple[float, float]] | None:
 
     promised, accepted = delta("hvd_promised_tokens_total"), delta("hvd_accepted_tokens_total")
     out = {d: (v, accepted.get(d, 0.0)) for d, v in promised.items() if v > 0}
+    return out or None
+
+
+def oracle_outcomes(before: str, after: str) -> dict[str, int] | None:
+    """Requests by outcome (hvd_oracle_requests: matched, missing, diverged) between two /metrics pages
+    of a server measuring the served upper bound; None from any other server."""
+    first, last = (prometheus_by_label(page, "hvd_oracle_requests_total", "outcome") for page in (before, after))
+    out = {k: int(round(v - first.get(k, 0.0))) for k, v in last.items()}
     return out or None
 
 

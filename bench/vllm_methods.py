@@ -59,9 +59,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from measure import (SPEC_COUNTERS, SpecRun, counter_deltas, paired_ratios, pooled_decode_rate,  # noqa: E402
-                     pooled_over_passes, prometheus_counters, promises, rotations, run_from, served_steps, spread,
-                     step_part_ms, verdict)
+from measure import (SPEC_COUNTERS, SpecRun, counter_deltas, oracle_outcomes, paired_ratios,  # noqa: E402
+                     pooled_decode_rate, pooled_over_passes, prometheus_counters, promises, rotations, run_from,
+                     served_steps, spread, step_part_ms, verdict)
 from process_cpu import ROLES, cpu_delta, group_cpu  # noqa: E402
 
 from controller.engines import vllm_engine as ve  # noqa: E402
@@ -71,7 +71,8 @@ BENCH_WORKLOADS = ("agentic", "code_edit", "sql")
 HYBRID_METHODS = ("hvd", "hvd-binary", "hvd-none")
 SERVER_METHODS = ("none", "ngram", "suffix", "eagle3", "hvd")
 SERVED_BY_HVD = {"hvd": "model", "hvd-none": "none", "hvd-off-policy": "model", "hvd-floor": "model",
-                 **{m: "model" for m in ve.RIVAL_METHODS}}  # `hvd serve --fallback ...`
+                 "hvd-oracle": "model", **{m: "model" for m in ve.RIVAL_METHODS}}  # `hvd serve --fallback ...`
+ORACLE = "hvd-oracle"  # server only: needs a recording of the same prompts, made first (`record_outputs`)
 PRELOAD_CHOICES = {"on": (True,), "off": (False,), "both": (True, False)}
 # Targets from the allocator issue: HVD against the best non-HVD method's tokens/s, per batch size.
 SPEED_GOALS = {1: 1.0, 8: 1.15}
@@ -134,12 +135,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(method: str, port: int, preload: bool, database_url: str,
-                   dtype: str = "bfloat16") -> tuple[list[str], dict[str, str]]:
+def server_command(method: str, port: int, preload: bool, database_url: str, dtype: str = "bfloat16",
+                   hvd_env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
     """hvd: exactly what `hvd serve --engine vllm` execs; the others: vLLM's own server with the same
     engine arguments and the method's speculative_config, no HVD plugin. Every server runs `dtype` with
     the in-process engines' arguments (vllm_engine.measured_server_args, passed as `hvd serve ... --
-    ARGS` would), which `hvd serve` no longer imposes: the figures stay comparable across releases."""
+    ARGS` would), which `hvd serve` no longer imposes: the figures stay comparable across releases.
+    `hvd_env`: more HVD settings for an HVD server (HVD_RECORD, HVD_ORACLE)."""
     from controller.cli.serve_vllm import ServeOptions, command, server_argv
 
     opts = ServeOptions(database_url=database_url, port=port, preload=preload, dtype=dtype,
@@ -153,6 +155,9 @@ def server_command(method: str, port: int, preload: bool, database_url: str,
                 env.pop(name, None)
             else:
                 env[name] = wanted[name]
+        env.pop("HVD_ORACLE", None)
+        env.pop("HVD_RECORD", None)
+        env.update(hvd_env or {})
         return argv, env
     if method not in ve.METHODS or method in ve.HYBRIDS:
         raise ValueError(f"--server runs {sorted(SERVED_BY_HVD)} through `hvd serve` and the baselines {SERVER_METHODS} through "
@@ -240,14 +245,19 @@ def drive(port: int, prompts: list[tuple[str, list[int]]], concurrency: int, max
     requests = [(w, d[0], d[1]) for (w, _), (_, d) in zip(prompts, done) if d is not None]
     return replace(run, decode_tps=statistics.median([t / s for t, s in decoded]) if decoded else None,
                    decode_pooled_tps=pooled_decode_rate(decoded), cpu_seconds=cpu, step_ms=step_part_ms(before, after),
-                   served_steps=steps, step_wall_ms=apart, requests=requests, promises=promises(before, after))
+                   served_steps=steps, step_wall_ms=apart, requests=requests, promises=promises(before, after),
+                   oracle=oracle_outcomes(before, after))
 
 
 def server_run(method: str, concurrency: int, preload: bool, args: argparse.Namespace,
-               prompts: list[tuple[str, list[int]]], warmup: list[tuple[str, list[int]]]) -> SpecRun:
+               prompts: list[tuple[str, list[int]]], warmup: list[tuple[str, list[int]]],
+               hvd_env: dict[str, str] | None = None) -> SpecRun:
     port = _free_port()
-    argv, env = server_command(method, port, preload, os.environ["HVD_DATABASE_URL"], args.dtype)
-    log = ve.REPO_ROOT / "var" / "bench-server" / f"{method}-c{concurrency}-{'pre' if preload else 'nopre'}.log"
+    if method == ORACLE:
+        hvd_env = {"HVD_ORACLE": str(oracle_file(concurrency, preload))}
+    argv, env = server_command(method, port, preload, os.environ["HVD_DATABASE_URL"], args.dtype, hvd_env)
+    tag = "-recording" if hvd_env and "HVD_RECORD" in hvd_env else ""
+    log = ve.REPO_ROOT / "var" / "bench-server" / f"{method}{tag}-c{concurrency}-{'pre' if preload else 'nopre'}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as fh:
         proc = subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
@@ -262,6 +272,24 @@ def server_run(method: str, concurrency: int, preload: bool, args: argparse.Name
         except subprocess.TimeoutExpired:
             _signal_group(proc, signal.SIGKILL)
             proc.wait()
+
+
+def oracle_file(concurrency: int, preload: bool) -> Path:
+    """Where `record_outputs` keeps the outputs hvd-oracle's servers read at this concurrency."""
+    return ve.REPO_ROOT / "var" / "bench-server" / f"oracle-c{concurrency}-{'pre' if preload else 'nopre'}.jsonl"
+
+
+def record_outputs(concurrency: int, preload: bool, args: argparse.Namespace, prompts: list[tuple[str, list[int]]],
+                   warmup: list[tuple[str, list[int]]]) -> Path:
+    """One unmeasured pass of HVD recording every request's output (HVD_RECORD), the file hvd-oracle's
+    servers plan with: greedy outputs repeat, so the same prompts served again emit them again
+    (where a request's output parts from it, the oracle stops for that request, counted)."""
+    path = oracle_file(concurrency, preload)
+    path.unlink(missing_ok=True)
+    server_run("hvd", concurrency, preload, args, prompts, warmup, {"HVD_RECORD": str(path)})
+    if not path.is_file():
+        raise RuntimeError(f"the recording pass wrote no {path}: see var/bench-server/hvd-recording-*.log")
+    return path
 
 
 def warmup_prompts(per_workload: int) -> list[tuple[str, list[int]]]:
@@ -335,17 +363,26 @@ def _cost_lines(runs: list[SpecRun]) -> None:
 
 
 def _paired(results: dict[tuple[str, bool], list[SpecRun]], methods: list[str], preload: bool) -> None:
-    """HVD's decode rates over suffix's pass by pass, and over all passes pooled: how far the ratio
-    itself moved between repetitions, and the one figure that weighs every request of every pass."""
-    if "hvd" not in methods or "suffix" not in methods:
-        return
-    hvd, suffix = results[("hvd", preload)], results[("suffix", preload)]
-    for what, rate in (("per request", lambda r: r.decode_tps), ("pooled", lambda r: r.decode_pooled_tps)):
-        if len(hvd) == len(suffix) and all(rate(r) is not None for r in (*hvd, *suffix)):
-            print(f"  hvd / suffix, decode {what}, pass by pass: {paired_ratios(hvd, suffix, rate).fmt(3)}")
-    h, s = pooled_over_passes(hvd), pooled_over_passes(suffix)
-    if h is not None and s is not None:
-        print(f"  hvd / suffix, decode pooled over every request of every pass: {h / s:.3f} ({h:.1f} / {s:.1f} tok/s)")
+    """HVD's decode rates over suffix's (and the served upper bound's, hvd-oracle, over both) pass by
+    pass, and over all passes pooled: how far the ratio itself moved between repetitions, and the one
+    figure that weighs every request of every pass. With the bound: the share of its headroom over
+    suffix that HVD's predictor recovers, served."""
+    pooled: dict[str, float] = {}
+    for a, b in (("hvd", "suffix"), (ORACLE, "suffix"), ("hvd", ORACLE)):
+        if a not in methods or b not in methods:
+            continue
+        ra, rb = results[(a, preload)], results[(b, preload)]
+        for what, rate in (("per request", lambda r: r.decode_tps), ("pooled", lambda r: r.decode_pooled_tps)):
+            if len(ra) == len(rb) and all(rate(r) is not None for r in (*ra, *rb)):
+                print(f"  {a} / {b}, decode {what}, pass by pass: {paired_ratios(ra, rb, rate).fmt(3)}")
+        x, y = pooled_over_passes(ra), pooled_over_passes(rb)
+        if x is not None and y is not None:
+            pooled[a], pooled[b] = x, y
+            print(f"  {a} / {b}, decode pooled over every request of every pass: {x / y:.3f} ({x:.1f} / {y:.1f} tok/s)")
+    if {"hvd", "suffix", ORACLE} <= pooled.keys() and pooled[ORACLE] != pooled["suffix"]:
+        share = (pooled["hvd"] - pooled["suffix"]) / (pooled[ORACLE] - pooled["suffix"])
+        print(f"  share of the served upper bound's headroom over suffix that HVD recovers (pooled over every pass): "
+              f"{share:.2f}")
 
 
 def _targets(med: dict[str, dict[str, float]], size: int) -> None:
@@ -439,6 +476,8 @@ def main() -> None:
     unknown = [m for m in methods if m not in ve.METHODS]
     if unknown:
         parser.error(f"unknown methods {unknown}; known: {ve.METHODS}")
+    if ORACLE in methods and not args.server:
+        parser.error(f"{ORACLE} runs with --server only (its servers read a recording of the same prompts)")
     preloads = PRELOAD_CHOICES[args.preload]
     if True in preloads:
         ve.ld_preload()  # fail now, naming what is missing, not after an hour of runs
@@ -456,6 +495,10 @@ def main() -> None:
     warmup = warmup_prompts(args.warmup) if args.server else []  # read once: every server warms up alike
     for size in sizes:
         results: dict[tuple[str, bool], list[SpecRun]] = {(m, p): [] for m in methods for p in preloads}
+        if ORACLE in methods:
+            for p in preloads:
+                print(f"  [{unit} {size}] recording the outputs {ORACLE} plans with: "
+                      f"{record_outputs(size, p, args, prompts, warmup)}", flush=True)
         for rep, order in enumerate(rotations([(m, p) for m in methods for p in preloads], args.reps)):
             for m, p in order:
                 run = (server_run(m, size, p, args, prompts, warmup) if args.server else _child(m, size, args, p))

@@ -97,6 +97,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("HVD_RECORD", text, None,
             "record every finished request as a trace line (prompt, output, workload, tenant) in this .jsonl file"),
     Setting("HVD_RECORD_MAX_REQUESTS", positive_int, 10000, "requests HVD_RECORD records per serving process"),
+    Setting("HVD_ORACLE", text, None,
+            "a measurement, not a serving mode: a file HVD_RECORD wrote of the same prompts; each cache draft is "
+            "planned with its true accepted length, read from the recorded output (the served upper bound of a "
+            "better predictor)"),
     Setting("HVD_METRICS_MAX_TENANTS", positive_int, 20,
             "tenants the hvd_* Prometheus metrics name (the first seen); later ones are counted as \"other\""),
     Setting("HVD_TOKENIZER", text, None, "tokenizer.json (or its folder) of the trace tokenizer"),
@@ -141,6 +145,7 @@ class ServingSettings:
     learn: bool
     record: str | None
     record_max_requests: int
+    oracle: str | None
     metrics_max_tenants: int
 
     @classmethod

@@ -122,15 +122,22 @@ def test_tokens_the_scheduler_cut_are_not_output_but_their_acceptance_counts(tok
 
 
 def test_what_vllm_keeps_of_a_step():
-    from types import SimpleNamespace
+    """As vLLM's scheduler cuts a step's tokens (check_stop), with vLLM's own SamplingParams made as
+    its engine makes them (eos 2 from the model's generation config)."""
+    from vllm import SamplingParams
 
     from controller.engines.vllm_hybrid import _kept
 
-    def params(max_tokens=None, stops=(), min_tokens=0):
-        return SimpleNamespace(max_tokens=max_tokens, all_stop_token_ids=set(stops), min_tokens=min_tokens)
+    def params(max_tokens=None, ignore_eos=False, stops=None, min_tokens=0):
+        p = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stops, min_tokens=min_tokens)
+        p.update_from_generation_config({"eos_token_id": 2}, eos_token_id=2)
+        return p
 
     assert _kept(params(max_tokens=10), [1, 2, 3, 4], 8) == [1, 2]
-    assert _kept(params(max_tokens=10), [1, 2], 3) == [1, 2]
-    assert _kept(params(stops={2}), [1, 2, 3], 0) == [1, 2]
-    assert _kept(params(stops={2}, min_tokens=5), [1, 2, 3, 2, 4], 2) == [1, 2, 3, 2]  # 2 at output 2 < min 5
+    assert _kept(params(max_tokens=10), [1, 3], 3) == [1, 3]
+    assert _kept(params(), [1, 2, 3], 0) == [1, 2]  # the eos token ends the request
+    assert _kept(params(ignore_eos=True), [1, 2, 3, 2, 4], 0) == [1, 2, 3, 2, 4]  # not under ignore_eos
+    assert 2 in params(ignore_eos=True).all_stop_token_ids  # though vLLM lists it among the stop ids
+    assert _kept(params(ignore_eos=True, stops=[7]), [1, 2, 7, 3], 0) == [1, 2, 7]  # a stop id does
+    assert _kept(params(ignore_eos=True, stops=[7], max_tokens=4), [1, 7, 3], 2) == [1, 7]
     assert _kept(None, [1, 2], 0) == [1, 2]

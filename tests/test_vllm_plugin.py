@@ -87,6 +87,9 @@ def hybrid_run(prompts, plain_outputs, database, tmp_path_factory):
     os.environ["HVD_DATABASE_URL"] = database
     recorded = tmp_path_factory.mktemp("record") / "served.jsonl"
     os.environ["HVD_RECORD"] = str(recorded)
+    # priced with the bundled profile, not the live fit of this run's step times: the plans (which k,
+    # which prefixes) then do not depend on how fast the machine ran
+    os.environ["HVD_LIVE_COST"] = "0"
     vllm_plugin.register()  # vLLM registered its plugins for the plain engine, while HVD_HYBRID was unset
     llm = LLM(**ve.engine_kwargs(ve.MODEL_FP32, "float32"), speculative_config=ve.speculative_config("hvd"))
     try:
@@ -96,10 +99,12 @@ def hybrid_run(prompts, plain_outputs, database, tmp_path_factory):
         after = _spec_counters(llm)
         vllm_plugin.flush()
         runtime = vllm_plugin.runtimes()[-1]
-        yield {"outputs": outputs, "before": before, "after": after, "runtime": runtime, "recorded": recorded}
+        yield {"outputs": outputs, "before": before, "after": after, "runtime": runtime, "recorded": recorded,
+               "llm": llm}
     finally:
         os.environ.pop(vllm_plugin.ENV_ENABLE, None)
         os.environ.pop("HVD_RECORD", None)
+        os.environ.pop("HVD_LIVE_COST", None)
         del llm
         gc.collect()
 
@@ -185,6 +190,7 @@ def test_served_requests_are_on_policy_and_recorded_as_emitted(hybrid_run, datab
     and HVD_RECORD keeps the token ids vLLM returned, which replay reads as on-policy too."""
     import numpy as np
 
+    from predictor.data.tokens import TraceTokenizer
     from predictor.data.traces import load_traces
     from predictor.drafting.features import FEATURE_NAMES
 
@@ -199,6 +205,13 @@ def test_served_requests_are_on_policy_and_recorded_as_emitted(hybrid_run, datab
     ours = [r for r in records if r.engine is not None and r.engine.output_ids in served]
     assert report.skipped == 0 and all(r.engine is not None for r in records)
     assert len(ours) >= len(prompts) and {r.engine.output_ids for r in ours} == served
+    # and every recording of a fixture's prompt is an output vLLM returned for it, at batch 1 or 8 (a
+    # step's tokens after an eos token under ignore_eos were once dropped from HVD's view)
+    decode = TraceTokenizer(ve.MODEL_FP32 / "tokenizer.json").decode
+    returned = {decode(ids): {tuple(run[i]) for run in hybrid_run["outputs"].values()}
+                for i, (_, ids) in enumerate(prompts)}
+    mine = [r for r in records if r.context in returned]
+    assert len(mine) >= len(prompts) and all(r.engine.output_ids in returned[r.context] for r in mine)
 
 
 def test_the_requests_an_engine_still_holds_are_finished_when_it_stops(hybrid_run, database):
@@ -226,3 +239,37 @@ def test_the_requests_an_engine_still_holds_are_finished_when_it_stops(hybrid_ru
     recorded = {r.engine.output_ids for r in records}
     assert all(tuple(out) in recorded for run in hybrid_run["outputs"].values() for out in run)
     assert vllm_plugin.finish_held_requests() == 0
+
+
+def test_planned_from_the_recording_every_verified_cache_draft_is_accepted_whole(hybrid_run, database, prompts,
+                                                                                  plain_outputs):
+    """The served upper bound (HVD_ORACLE, controller/engines/served_oracle.py): the same prompts served
+    again with the recording HVD_RECORD made of them, each cache draft planned with its true accepted
+    length. Every request is found and followed to its end, the output is still plain decoding's, and
+    no verified cache token is rejected (the gate alone, on the same prompts, had some rejected)."""
+    from controller.engines.served_oracle import ServedOracle, recorded_outputs
+    from predictor.data.tokens import TraceTokenizer
+
+    def cache_drafts(tenant: str) -> list:
+        with session_scope(make_engine(database)) as session:
+            return [e for e in list_events(session) if e.tenant == tenant and e.drafter == "cache" and e.verified_len]
+
+    vllm_plugin.flush()
+    state = next(s for s in vllm_plugin._STATES if s.runtime is hybrid_run["runtime"])
+    oracle = ServedOracle(recorded_outputs(hybrid_run["recorded"]), TraceTokenizer(ve.MODEL_FP32 / "tokenizer.json").decode)
+    state.oracle = oracle  # what HVD_ORACLE sets at start-up
+    try:
+        extra = [{"hvd_tenant": "oracle", "hvd_workload": w} for w, _ in prompts]
+        outputs = _generate(hybrid_run["llm"], prompts, 1, extra)
+        vllm_plugin.finish_held_requests()
+    finally:
+        state.oracle = None
+    vllm_plugin.flush()
+    assert outputs == plain_outputs[1]
+    assert (oracle.counts.matched, oracle.counts.missing, oracle.counts.diverged) == (len(prompts), 0, 0)
+    planned = cache_drafts("oracle")
+    assert len(planned) >= len(prompts)
+    assert [min(e.accepted, e.verified_len) for e in planned] == [e.verified_len for e in planned]
+    assert sum(e.promised for e in planned) == pytest.approx(sum(e.verified_len for e in planned))
+    gated = cache_drafts("tenant-0")
+    assert sum(e.verified_len - min(e.accepted, e.verified_len) for e in gated) > 0

@@ -104,6 +104,10 @@ class HvdMetrics:
             "k), counted when the engine reports the verdict, by drafter. hvd_accepted_tokens over it below 1: the "
             "predictor over-promises on the drafts it acts on, though it may be calibrated over all of them; "
             f"{tenant_doc}", wt + ("drafter",), registry=registry)
+        self.oracle_requests = Counter(
+            "hvd_oracle_requests", "Requests a server measuring the served upper bound (HVD_ORACLE) saw, by "
+            "outcome: matched (found in the recording), missing (not in it: served as usual), diverged (its "
+            "output parted from the recording: the oracle stopped for it)", ("outcome",), registry=registry)
         self.gate_outcomes = Counter(
             "hvd_gate_outcomes", f"The gate's confusion matrix at >= {LONG} accepted tokens over every labelled "
             "cache draft it scored, shadow drafts included (outcome: tp | fp | fn | tn, as stat_buckets counts "

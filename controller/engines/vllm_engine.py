@@ -35,13 +35,15 @@ LOCAL_ARGMAX = True
 # rule (whole cache draft iff the predicted length beats tau); arctic: ArcticInference's score rule on
 # the same plugin; hvd-none: the hybrid with plain decoding as the fallback; hvd-off-policy: the hybrid
 # with its traffic read as other models' text (HVD_ON_POLICY=0: the gate's on_policy feature off);
-# hvd-floor: the hybrid whose live cost fit may add a compute floor (HVD_LIVE_COST_FLOOR=1).
+# hvd-floor: the hybrid whose live cost fit may add a compute floor (HVD_LIVE_COST_FLOOR=1);
+# hvd-oracle: the hybrid planning each cache draft with its true accepted length, read from a recording
+# of the same prompts (HVD_ORACLE, which the bench sets: controller/engines/served_oracle.py).
 # vllm-adaptive, sglang-hybrid, trtllm: the competitors' rules (predictor.decision.rivals) on the same
 # plugin, drafts and EAGLE3 fallback.
 RIVAL_METHODS = ("vllm-adaptive", "sglang-hybrid", "trtllm")
 METHODS = ("none", "ngram", "suffix", "eagle3", "arctic", "hvd", "hvd-binary", "hvd-none", "hvd-off-policy",
-           "hvd-floor", *RIVAL_METHODS)
-HYBRIDS = ("arctic", "hvd", "hvd-binary", "hvd-none", "hvd-off-policy", "hvd-floor", *RIVAL_METHODS)
+           "hvd-floor", "hvd-oracle", *RIVAL_METHODS)
+HYBRIDS = ("arctic", "hvd", "hvd-binary", "hvd-none", "hvd-off-policy", "hvd-floor", "hvd-oracle", *RIVAL_METHODS)
 _RULE_OF = {"arctic": "arctic", "hvd-binary": "binary", **{m: m for m in RIVAL_METHODS}}  # the others: the default rule
 
 # What vLLM's CPU install guide preloads ("set LD_PRELOAD"): tcmalloc (Debian libtcmalloc-minimal4)
@@ -216,7 +218,7 @@ def speculative_config(method: str, head: Path = EAGLE_HEAD) -> dict | None:
         return {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     if method in ("suffix", "hvd-none"):
         return {"method": "suffix", "num_speculative_tokens": K_MAX}
-    if method in ("eagle3", "arctic", "hvd", "hvd-binary", "hvd-off-policy", "hvd-floor", *RIVAL_METHODS):
+    if method in ("eagle3", "arctic", "hvd", "hvd-binary", "hvd-off-policy", "hvd-floor", "hvd-oracle", *RIVAL_METHODS):
         if not (head / "config.json").is_file():
             raise FileNotFoundError(f"{head}/config.json is missing: run `make setup` (random head) or "
                                     "`make eagle3` (trained head)")

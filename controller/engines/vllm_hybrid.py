@@ -26,6 +26,7 @@ from controller.core.metrics import HvdMetrics
 from controller.core.request_metadata import RequestMetadata, RequestMetadataError, parse_request_metadata
 from controller.core.runtime import RequestInput
 from controller.core.step_costs import StepTimingError
+from controller.engines.served_oracle import OracleFileError, ServedOracle, recorded_outputs
 from controller.engines.vllm_step_clock import StepClock
 from controller.services.live_cost_fitter import follow
 from controller.services.stack import ServiceStack, decision_config
@@ -101,6 +102,10 @@ class HybridState:
         tokenizer_file = Path(runner.model_config.tokenizer) / "tokenizer.json"
         tokenizer = TraceTokenizer(tokenizer_file if tokenizer_file.is_file() else None)
         suffix = cache_config(spec, self.k_max)
+        try:  # read before anything starts: a bad file stops the server at once, naming what is wrong
+            oracle_outputs = recorded_outputs(settings.oracle) if settings.oracle else None
+        except OracleFileError as exc:
+            raise HvdStartupError(str(exc)) from exc
         self.settings = settings
         self._meta: dict[str, RequestMetadata] = {}  # per running request, parsed when first seen
         # Every replica follows the control plane (overrides apply from the first step: one poll
@@ -126,6 +131,13 @@ class HybridState:
         # the fit has enough decode steps); HVD_LIVE_COST=0 keeps the named profile.
         self.live_cost = LiveCostModel(decision.cost, floor=settings.live_cost_floor) if settings.live_cost else None
         self._live_floored: bool | None = None  # the live fit's last floor state, for the log
+        self.oracle = None
+        if oracle_outputs is not None:
+            self.oracle = ServedOracle(oracle_outputs, tokenizer.decode,
+                                       lambda outcome: metrics.oracle_requests.labels(outcome).inc())
+            log.warning("HVD_ORACLE: cache drafts are planned with their true accepted lengths, read from %d "
+                        "recorded outputs in %s (a measurement of the served upper bound, not a serving mode)",
+                        len(oracle_outputs), settings.oracle)
         self.recorder = None
         if settings.record:
             self.recorder = TraceRecorder(settings.record, tokenizer, replica=self.stack.writer.replica,
@@ -158,6 +170,8 @@ class HybridState:
         known = self.runtime.requests
         for r in req_ids:
             self._meta.pop(r, None)
+            if self.oracle is not None:
+                self.oracle.forget(r)
             st = known.get(r)
             if st is None:
                 continue
@@ -193,12 +207,15 @@ class HybridState:
                 continue
             meta = self._metadata(runner, req_id)
             first = req_id not in known
-            new = _kept(_sampling_params(runner, req_id), valid[i], 0 if first else known[req_id].hindsight.output_len)
+            emitted = 0 if first else known[req_id].hindsight.output_len
+            new = _kept(_sampling_params(runner, req_id), valid[i], emitted)
             prompt = ib.token_ids_cpu[i, : int(ib.num_prompt_tokens[i])].copy() if first else None
             inputs.append(RequestInput(req_id, new, prompt, tenant=meta.tenant, workload=meta.workload,
                                        speculate=meta.speculate, verified=_verified(scheduled.get(req_id)),
                                        sampled=len(valid[i]) if len(new) != len(valid[i]) else None,
-                                       on_policy=self.settings.on_policy))
+                                       on_policy=self.settings.on_policy,
+                                       continuation=None if self.oracle is None else
+                                       self.oracle.continuation(req_id, prompt, new, emitted)))
             rows.append(i)
         plan = self.runtime.step(inputs)
         return plan, rows, req_ids
@@ -287,21 +304,23 @@ def _verified(spec_tokens) -> int:
 
 
 def _kept(params, tokens: list[int], output_len: int) -> list[int]:
-    """What vLLM keeps of a step's tokens for a request that has emitted `output_len`: accepted
-    draft tokens past `max_tokens`, or past a stop token (once `min_tokens` are out), are sampled
-    by the runner but cut by the scheduler; HVD must not learn from tokens that were never output.
-    (Stop strings are cut later, by the detokenizer: not seen here.)"""
+    """What vLLM keeps of a step's tokens for a request that has emitted `output_len`: its scheduler
+    appends them one by one and stops at the first that ends the request (vllm.v1.core.sched.utils.
+    check_stop): the eos token (`eos_token_id`, None under ignore_eos), a stop token id, or the
+    request's `max_tokens`; the rest were sampled by the runner but never output, and HVD must not
+    learn from them. Not `all_stop_token_ids`: it holds the eos token even under ignore_eos (for the
+    min_tokens logits processor), and a step that emitted one there goes on. (Stop strings are cut
+    later, by the detokenizer: not seen here.)"""
     if params is None or not tokens:
         return tokens
     keep = len(tokens)
     if params.max_tokens is not None:
         keep = min(keep, max(0, params.max_tokens - output_len))
-    stops = params.all_stop_token_ids
-    if stops:
-        for j in range(keep):
-            if tokens[j] in stops and output_len + j + 1 >= params.min_tokens:
-                keep = j + 1
-                break
+    eos, stops = params.eos_token_id, params.stop_token_ids or ()
+    for j in range(keep):
+        if tokens[j] == eos or tokens[j] in stops:
+            keep = j + 1
+            break
     return tokens if keep == len(tokens) else tokens[:keep]
 
 
