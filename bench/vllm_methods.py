@@ -38,6 +38,13 @@ servers, the mean decode step by part (hvd_step_seconds{phase="decode"}: target,
     python bench/vllm_methods.py [--batches 1 8] [--reps 3] [--max-tokens 192] [--per-workload 8]
     python bench/vllm_methods.py --server [--concurrency 1 8] [--reps 3] [--warmup 4]
 
+--methods ... hvd-oracle (--server only): the served upper bound of a better predictor. Before its
+passes at each concurrency, one unmeasured HVD pass records every request's output (HVD_RECORD); the
+hvd-oracle servers then plan each cache draft with its true accepted length, read from that recording
+(HVD_ORACLE: controller/engines/served_oracle.py). Its runs print how many requests the recording
+covered (matched, missing, diverged), and beside hvd and suffix, the share of the bound's headroom over
+suffix that HVD recovers.
+
 --warmup N serves N training-split prompts per workload before each server's measured pass, the
 same for every method, so that each server measures in its steady state: a served replica prices its
 first 50 decode steps with its cost profile before its live fit takes over and refits every 200
@@ -386,7 +393,8 @@ def _paired(results: dict[tuple[str, bool], list[SpecRun]], methods: list[str], 
 
 
 def _targets(med: dict[str, dict[str, float]], size: int) -> None:
-    others = {m: v["tokens_per_s"] for m, v in med.items() if m not in HYBRID_METHODS}  # arctic counts as other
+    others = {m: v["tokens_per_s"] for m, v in med.items()  # arctic counts as other; the bound is no method
+              if m not in HYBRID_METHODS and m != ORACLE}
     if "hvd" not in med or not others:
         return
     best = max(others, key=others.get)
