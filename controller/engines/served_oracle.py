@@ -9,7 +9,8 @@ runtime plans its cache draft with its true accepted length instead of the gate'
 cache drafts' survival is known; the model drafter's curve, the costs and the engine are as served.
 
 A request is matched to its recording by its prompt, decoded with the recorder's tokenizer (the
-recording keeps the prompt as text). Where the engine's output parts from the recording (another
+recording keeps the prompt as text; about 0.2 ms once per request, on the decode path, so the bound
+is if anything measured a little low). Where the engine's output parts from the recording (another
 batch's rounding can flip a near tie) the oracle stops for that request: it would only mislead. The
 counts say how much of the traffic the bound covered.
 
