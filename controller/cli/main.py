@@ -190,6 +190,9 @@ def _parser() -> _Parser:
                     help="decide with each cache draft's true accepted length (implies --no-learn): gate (the "
                          "default) verifies a whole cache draft iff it beats tau, the binary oracle gate; predictor "
                          "feeds the allocator the true lengths, the most any predictor could buy")
+    rp.add_argument("--no-shadow-drafts", action="store_true",
+                    help="draft only where steps land, not at every output position (implies --no-learn): what "
+                         "the shadow drafts cost and what the gate's history features lose without them")
     rp.add_argument("--synchronous", action="store_true",
                     help="run writers and learner inside the serving loop: deterministic, slower")
     rp.add_argument("--seed", type=int, default=ReplayServeOptions.seed)
@@ -539,11 +542,12 @@ def _serve_replay(args: argparse.Namespace, engine) -> int:
         records = round_robin_sources(records)[: args.max_requests]
     metrics, endpoint = _serve_metrics(port, args.metrics_address) if port else (None, None)
     banner = (f"serving {len(records)} requests on the replay engine (batch {args.batch_size}, {args.tenants} tenants, "
-              f"{ORACLE_NAMES.get(args.oracle) or ('learning off' if args.no_learn else 'learning on')}); "
-              "Ctrl-C or SIGTERM stops cleanly")
+              f"{ORACLE_NAMES.get(args.oracle) or ('learning off' if args.no_learn or args.no_shadow_drafts else 'learning on')}"
+              f"{', no shadow drafts' if args.no_shadow_drafts else ''}); Ctrl-C or SIGTERM stops cleanly")
     opts = ReplayServeOptions(batch_size=args.batch_size, tenants=args.tenants, seed=args.seed,
-                              learn=not (args.no_learn or args.oracle), synchronous=args.synchronous,
-                              oracle=args.oracle, rule=args.rule, replica=args.replica)
+                              learn=not (args.no_learn or args.oracle or args.no_shadow_drafts),
+                              synchronous=args.synchronous, oracle=args.oracle, rule=args.rule, replica=args.replica,
+                              shadow_drafts=not args.no_shadow_drafts)
     try:
         result = serve_replay(engine, records, opts, metrics=metrics, banner=banner, restore_signals=False)
         print(format_serve_summary(result), flush=True)

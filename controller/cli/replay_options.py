@@ -34,5 +34,8 @@ class ReplayServeOptions:
     # decide with the true accepted lengths (controller.engines.trace_engine.ORACLES: the binary
     # oracle "gate", or the allocator fed a perfect "predictor"); learning off
     oracle: str | None = None
+    # draft in the shadow at every output position (Runtime.shadow_drafts); off: only where steps land,
+    # for measuring what they cost and buy (learning off: the learner's counterfactual walks need them)
+    shadow_drafts: bool = True
     drain_seconds: float = 10.0  # at shutdown, how long to keep trying to write what is queued
     learner: LearnerConfig = field(default_factory=_learner_config)

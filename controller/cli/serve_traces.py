@@ -128,7 +128,7 @@ def serve_replay(engine: Engine, records: Sequence[TraceRecord], opts: ReplaySer
         stack = ServiceStack.build(engine, decision_config(drafter, cost, rule=opts.rule), token_classes(tokenizer),
                                    replica=opts.replica, learn=opts.learn, learner_config=opts.learner,
                                    leader_lock=not opts.synchronous, stats_interval=2.0, poll_interval=1.0,
-                                   metrics=metrics)
+                                   metrics=metrics, shadow_drafts=opts.shadow_drafts)
     except BaseException:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

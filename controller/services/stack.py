@@ -69,16 +69,18 @@ class ServiceStack:
               learn: bool = True, learner_config: LearnerConfig | None = None, leader_lock: bool = True,
               suffix: SuffixConfig | None = None, stats_interval: float = 5.0,
               poll_interval: float = 2.0, metrics: HvdMetrics | None = None,
-              step_costs: bool = True, step_cost_interval: float = 10.0, live_cost: bool = False) -> "ServiceStack":
+              step_costs: bool = True, step_cost_interval: float = 10.0, live_cost: bool = False,
+              shadow_drafts: bool = True) -> "ServiceStack":
         """Everything around one runtime, on the current champion. `leader_lock=False`: this
         replica learns without asking (one process, synchronous runs). `metrics`: the Prometheus
         metrics the runtime counts into (none without). `step_costs`: a step-cost writer for the
         engine's step timings, written every `step_cost_interval` seconds under `replica`.
-        `live_cost`: a thread for the refits of the engine's live cost model (the vLLM plugin's)."""
+        `live_cost`: a thread for the refits of the engine's live cost model (the vLLM plugin's).
+        `shadow_drafts`: the runtime's (Runtime.shadow_drafts)."""
         version_id, gate = load_gate(engine)
         stats = StatsWriter(engine, flush_interval=stats_interval, keep_days=KEEP_STAT_DAYS)
         runtime = Runtime(gate, token_classes, decision, version_id=version_id, suffix=suffix, stats_sink=stats,
-                          metrics=metrics)
+                          metrics=metrics, shadow_drafts=shadow_drafts)
         writer = EventWriter(engine, runtime.events, stats=stats, keep_events=KEEP_EVENTS, replica=replica)
         if metrics is not None:
             writer.on_dropped = metrics.writer_dropped
