@@ -269,6 +269,12 @@ def oracle_outcomes(before: str, after: str) -> dict[str, int] | None:
     return out or None
 
 
+def headroom_share(method: float, base: float, bound: float) -> float | None:
+    """Of the way from `base` to `bound` (a rate the perfect predictor reaches), how far `method` went:
+    0 at the base, 1 at the bound, negative below the base; None when the bound is no better."""
+    return None if bound <= base else (method - base) / (bound - base)
+
+
 def verdict(value: float, goal: float, higher_is_better: bool = True) -> str:
     """'met' or 'NOT met (by X)', X the gap to the goal in the goal's own units."""
     ok = value >= goal if higher_is_better else value < goal

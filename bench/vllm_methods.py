@@ -66,8 +66,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from measure import (SPEC_COUNTERS, SpecRun, counter_deltas, oracle_outcomes, paired_ratios,  # noqa: E402
-                     pooled_decode_rate, pooled_over_passes, prometheus_counters, promises, rotations, run_from,
+from measure import (SPEC_COUNTERS, SpecRun, counter_deltas, headroom_share, oracle_outcomes,  # noqa: E402
+                     paired_ratios, pooled_decode_rate, pooled_over_passes, prometheus_counters, promises, rotations, run_from,
                      served_steps, spread, step_part_ms, verdict)
 from process_cpu import ROLES, cpu_delta, group_cpu  # noqa: E402
 
@@ -386,8 +386,9 @@ def _paired(results: dict[tuple[str, bool], list[SpecRun]], methods: list[str], 
         if x is not None and y is not None:
             pooled[a], pooled[b] = x, y
             print(f"  {a} / {b}, decode pooled over every request of every pass: {x / y:.3f} ({x:.1f} / {y:.1f} tok/s)")
-    if {"hvd", "suffix", ORACLE} <= pooled.keys() and pooled[ORACLE] != pooled["suffix"]:
-        share = (pooled["hvd"] - pooled["suffix"]) / (pooled[ORACLE] - pooled["suffix"])
+    share = (headroom_share(pooled["hvd"], pooled["suffix"], pooled[ORACLE])
+             if {"hvd", "suffix", ORACLE} <= pooled.keys() else None)
+    if share is not None:
         print(f"  share of the served upper bound's headroom over suffix that HVD recovers (pooled over every pass): "
               f"{share:.2f}")
 

@@ -225,6 +225,19 @@ def test_promises_pair_each_drafters_promised_and_accepted_tokens_between_two_pa
     assert measure.promises("", "vllm:spec_decode_num_drafts_total 3") is None  # not an HVD server
 
 
+def test_the_oracle_counts_and_the_share_of_its_headroom():
+    def page(matched: int, diverged: int) -> str:
+        return (f'hvd_oracle_requests_total{{outcome="matched"}} {matched}\n'
+                f'hvd_oracle_requests_total{{outcome="diverged"}} {diverged}\n'
+                f'hvd_oracle_requests_created{{outcome="matched"}} 1.7e9\n')
+
+    assert measure.oracle_outcomes(page(12, 0), page(24, 1)) == {"matched": 12, "diverged": 1}
+    assert measure.oracle_outcomes("", "vllm:spec_decode_num_drafts_total 3") is None  # not measuring the bound
+    assert measure.headroom_share(110.0, 100.0, 120.0) == pytest.approx(0.5)
+    assert measure.headroom_share(95.0, 100.0, 120.0) == pytest.approx(-0.25)  # below the base
+    assert measure.headroom_share(130.0, 100.0, 100.0) is None  # the bound no better: no headroom to share
+
+
 @given(st.text(st.characters(blacklist_characters="\n\x00", blacklist_categories=("Cs",)), max_size=20),
        st.integers(0, 2**31), st.integers(0, 2**40), st.integers(0, 2**40))
 def test_proc_stat_parser_reads_past_any_name(comm, pgid, utime, stime):
