@@ -541,11 +541,11 @@ def _serve_replay(args: argparse.Namespace, engine) -> int:
     if args.max_requests:
         records = round_robin_sources(records)[: args.max_requests]
     metrics, endpoint = _serve_metrics(port, args.metrics_address) if port else (None, None)
+    learn = not (args.no_learn or args.oracle or args.no_shadow_drafts)
     banner = (f"serving {len(records)} requests on the replay engine (batch {args.batch_size}, {args.tenants} tenants, "
-              f"{ORACLE_NAMES.get(args.oracle) or ('learning off' if args.no_learn or args.no_shadow_drafts else 'learning on')}"
+              f"{ORACLE_NAMES.get(args.oracle) or ('learning on' if learn else 'learning off')}"
               f"{', no shadow drafts' if args.no_shadow_drafts else ''}); Ctrl-C or SIGTERM stops cleanly")
-    opts = ReplayServeOptions(batch_size=args.batch_size, tenants=args.tenants, seed=args.seed,
-                              learn=not (args.no_learn or args.oracle or args.no_shadow_drafts),
+    opts = ReplayServeOptions(batch_size=args.batch_size, tenants=args.tenants, seed=args.seed, learn=learn,
                               synchronous=args.synchronous, oracle=args.oracle, rule=args.rule, replica=args.replica,
                               shadow_drafts=not args.no_shadow_drafts)
     try:
