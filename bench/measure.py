@@ -91,6 +91,9 @@ class SpecRun:
     # A server measuring the served upper bound (HVD_ORACLE): its measured requests by outcome
     # (matched, missing, diverged: hvd_oracle_requests), so the figure says how much traffic it covered.
     oracle: dict[str, int] | None = None
+    # HVD's servers: the line its allocator priced steps with at the pass's end (hvd_live_cost_ms, by
+    # term; None before its first live fit), for pricing every method's counts alike (`priced_per_1k`).
+    live_cost: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         if self.tokens <= 0 or self.seconds <= 0:
@@ -267,6 +270,36 @@ def oracle_outcomes(before: str, after: str) -> dict[str, int] | None:
     first, last = (prometheus_by_label(page, "hvd_oracle_requests_total", "outcome") for page in (before, after))
     out = {k: int(round(v - first.get(k, 0.0))) for k, v in last.items()}
     return out or None
+
+
+def live_cost_line(page: str) -> dict[str, float] | None:
+    """The live cost fit an HVD server prices its steps with, by term (hvd_live_cost_ms), from a
+    /metrics page; None before its first fit, or from any other server."""
+    return prometheus_by_label(page, "hvd_live_cost_ms", "term") or None
+
+
+def priced_per_1k(run: SpecRun, line: Mapping[str, float], decision_ms: float) -> float | None:
+    """Seconds per 1000 decoded tokens (after each request's first) that a served run's exact counts
+    cost at concurrency 1, priced with one
+    engine's fitted line (`live_cost_line`): every decode step its fixed cost at batch 1, every
+    query token (the step's own and each verified draft token) its slope, and HVD's own time per
+    step (its decision and its model drafter: `step_ms` hvd + drafter) where the run has it.
+
+    Why: on these shared cores the same work timed on two servers differs by 10-20% from pass to
+    pass, while the counts are identical; this prices the counts alone. `decision_ms` is the
+    fitting server's own decision time per step, which its fixed cost holds: taken out of it, so a
+    method without HVD is not charged for HVD's time. What the line leaves out is every method's own
+    proposer (vLLM's suffix proposer included) and how the step time bends past its knee."""
+    if run.served_steps is None or not run.requests:
+        return None
+    prefills = len(run.requests)  # each request's first token came from its prefill: not decoding
+    steps, tokens = run.served_steps - prefills, run.tokens - prefills
+    if steps <= 0 or tokens <= 0:
+        return None
+    parts = run.step_ms or {}
+    own = parts.get("hvd", 0.0) + parts.get("drafter", 0.0)
+    fixed = line["base"] + line["batch"] - decision_ms
+    return (steps * (fixed + own) + (steps + run.draft_tokens) * line["query_token"]) / tokens
 
 
 def headroom_share(method: float, base: float, bound: float) -> float | None:

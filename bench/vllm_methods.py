@@ -66,9 +66,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from measure import (SPEC_COUNTERS, SpecRun, counter_deltas, headroom_share, oracle_outcomes,  # noqa: E402
-                     paired_ratios, pooled_decode_rate, pooled_over_passes, prometheus_counters, promises, rotations, run_from,
-                     served_steps, spread, step_part_ms, verdict)
+from measure import (SPEC_COUNTERS, SpecRun, counter_deltas, headroom_share, live_cost_line, oracle_outcomes,  # noqa: E402
+                     paired_ratios, pooled_decode_rate, pooled_over_passes, priced_per_1k, prometheus_counters, promises,
+                     rotations, run_from, served_steps, spread, step_part_ms, verdict)
 from process_cpu import ROLES, cpu_delta, group_cpu  # noqa: E402
 
 from controller.engines import vllm_engine as ve  # noqa: E402
@@ -253,7 +253,7 @@ def drive(port: int, prompts: list[tuple[str, list[int]]], concurrency: int, max
     return replace(run, decode_tps=statistics.median([t / s for t, s in decoded]) if decoded else None,
                    decode_pooled_tps=pooled_decode_rate(decoded), cpu_seconds=cpu, step_ms=step_part_ms(before, after),
                    served_steps=steps, step_wall_ms=apart, requests=requests, promises=promises(before, after),
-                   oracle=oracle_outcomes(before, after))
+                   oracle=oracle_outcomes(before, after), live_cost=live_cost_line(after))
 
 
 def server_run(method: str, concurrency: int, preload: bool, args: argparse.Namespace,
@@ -349,7 +349,37 @@ def report(title: str, results: dict[tuple[str, bool], list[SpecRun]], methods: 
         medians[tag] = med
         _targets(med, size)
         _paired(results, methods, preload)
+        if unit == "concurrency" and size == 1:
+            _priced(results, methods, preload)
     return medians
+
+
+def _priced(results: dict[tuple[str, bool], list[SpecRun]], methods: list[str], preload: bool) -> None:
+    """Concurrency 1: every method's exact counts priced with HVD's own fitted line (the median of
+    its passes' lines, its decision time per step taken out of the fixed cost: measure.priced_per_1k),
+    and the ratios over suffix: what the counts alone say, beside the timed rates that the
+    machine's drift moves by 10-20% from server to server."""
+    fitted = [r for r in results.get(("hvd", preload), []) if r.live_cost and r.step_ms]
+    if not fitted:
+        return
+    line = {t: spread(r.live_cost[t] for r in fitted).median for t in fitted[0].live_cost}
+    decision = spread(r.step_ms.get("hvd", 0.0) for r in fitted).median
+    priced = {}
+    for m in methods:
+        values = [priced_per_1k(r, line, decision) for r in results[(m, preload)]]
+        if values and None not in values:
+            priced[m] = spread(values).median  # identical counts in every pass: the spread is the parts'
+    if not priced:
+        return
+    print(f"  priced from the exact counts with HVD's fitted line (t = {line['base'] + line['batch']:.2f} ms a decode "
+          f"step, less HVD's own {decision:.2f}, + {line['query_token']:.3f} ms a query token; each method's own "
+          "decision and drafter ms per step), s per 1000 decoded tokens: "
+          + "; ".join(f"{m} {v:.3f}" + (f" ({priced['suffix'] / v:.3f}x suffix)" if "suffix" in priced and m != "suffix"
+                                       else "") for m, v in priced.items()))
+    if {"hvd", "suffix", ORACLE} <= priced.keys():
+        share = headroom_share(1 / priced["hvd"], 1 / priced["suffix"], 1 / priced[ORACLE])
+        if share is not None:
+            print(f"  share of the served upper bound's headroom over suffix that HVD recovers, priced: {share:.2f}")
 
 
 def _cost_lines(runs: list[SpecRun]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -236,6 +237,28 @@ def test_the_oracle_counts_and_the_share_of_its_headroom():
     assert measure.headroom_share(110.0, 100.0, 120.0) == pytest.approx(0.5)
     assert measure.headroom_share(95.0, 100.0, 120.0) == pytest.approx(-0.25)  # below the base
     assert measure.headroom_share(130.0, 100.0, 100.0) is None  # the bound no better: no headroom to share
+
+
+def test_counts_are_priced_with_the_fitted_line_and_the_methods_own_parts(capsys):
+    page = "".join(f'hvd_live_cost_ms{{term="{t}"}} {v}\n' for t, v in
+                   (("base", 24.0), ("batch", 5.0), ("query_token", 2.0), ("drafter_call", 1.8),
+                    ("drafter_token", 1.1), ("floor_per_query_token", 0.0)))
+    line = measure.live_cost_line(page)
+    assert line["base"] == 24.0 and line["query_token"] == 2.0
+    assert measure.live_cost_line("vllm:spec_decode_num_drafts_total 3") is None  # no fit: no line
+    two = [("sql", 60, 1.0), ("chat", 40, 1.0)]  # 2 requests: 2 prefills, 98 decoded tokens
+    suffix = replace(measure.SpecRun(100, 2.0, 30, 120, 70), served_steps=32, requests=two)
+    hvd = replace(measure.SpecRun(100, 2.0, 25, 150, 75), served_steps=27, requests=two,
+                  step_ms={"target": 40.0, "hvd": 1.0, "drafter": 2.0, "rest": 0.5}, live_cost=line)
+    # suffix: 30 decode steps at 29 - 1 (HVD's own time out of the fixed cost) ms + (30 + 120) query tokens at 2 ms
+    assert measure.priced_per_1k(suffix, line, 1.0) == pytest.approx((30 * 28.0 + 150 * 2.0) / 98)
+    # hvd: 25 steps at 28 + its own 1 + 2 ms, + (25 + 150) query tokens at 2 ms
+    assert measure.priced_per_1k(hvd, line, 1.0) == pytest.approx((25 * 31.0 + 175 * 2.0) / 98)
+    assert measure.priced_per_1k(replace(suffix, served_steps=None), line, 1.0) is None  # not served
+    vllm_methods.report("server", {("suffix", True): [suffix], ("hvd", True): [hvd]}, ["suffix", "hvd"], (True,), 1,
+                        "concurrency")
+    out = capsys.readouterr().out
+    assert f"hvd {1125 / 98:.3f} ({1140 / 1125:.3f}x suffix)" in out and f"suffix {1140 / 98:.3f}" in out
 
 
 @given(st.text(st.characters(blacklist_characters="\n\x00", blacklist_categories=("Cs",)), max_size=20),

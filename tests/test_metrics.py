@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from controller.core.decision import DecisionConfig
 from controller.core.events import EventQueue, LabelledEvent
-from controller.core.metrics import DEFAULT_MAX_TENANTS, OTHER_TENANT, HvdMetrics
+from controller.core.metrics import DEFAULT_MAX_TENANTS, LIVE_COST_TERMS, OTHER_TENANT, HvdMetrics
 from controller.core.runtime import Runtime
 from controller.core.step_costs import StepTiming
 from controller.engines.trace_engine import run_replay
@@ -333,3 +333,29 @@ def test_the_events_carry_the_plans_promises_into_the_statistics(records, tokeni
     # token), at most once a request.
     assert 0 <= cache_kept + model_kept - gated.stats.promised_accepted <= len(some)
     assert cache_promised + model_promised == pytest.approx(gated.stats.promised, abs=0.001 * gated.stats.verified_drafts)
+
+
+def test_the_live_cost_fit_is_published_term_by_term(caplog):
+    """What the allocator prices a step with, from a real fit of synthetic steps (the line known)."""
+    from predictor.decision.live_cost import LiveCostModel, StepSample
+    from predictor.decision.profiles import cost_profiles
+
+    registry = CollectorRegistry()
+    metrics = HvdMetrics(registry)
+    assert registry.get_sample_value("hvd_live_cost_ms", {"term": "base"}) is None  # no fit yet: absent
+    live = LiveCostModel(cost_profiles()["cpu-smollm2"], min_samples=50)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        b, q = int(rng.integers(1, 5)), 0
+        q = b + int(rng.integers(0, 8 * b + 1))
+        k = int(rng.integers(0, 4))
+        live.observe(StepSample(b, q, k, (20.0 + 3.0 * b + 1.5 * q + (2.0 if k else 0.0) + 1.0 * k) / 1000))
+    fit = live.current
+    metrics.live_cost_fit(fit.coefficients, fit.floor_ms_per_token, fit.samples)
+    got = {t: registry.get_sample_value("hvd_live_cost_ms", {"term": t}) for t in LIVE_COST_TERMS}
+    assert got == dict(zip(LIVE_COST_TERMS, (*fit.coefficients, fit.floor_ms_per_token)))
+    # the line's identified terms are the steps' (the drafter's split leans on the prior)
+    assert (got["base"], got["batch"], got["query_token"]) == pytest.approx((20.0, 3.0, 1.5), abs=0.05)
+    assert registry.get_sample_value("hvd_live_cost_steps") == fit.samples > 0
+    metrics.live_cost_fit((1.0, 2.0), 0.0, 5)  # a malformed fit: logged, never raised into the decode path
+    assert any("publishing the live cost fit failed" in r.getMessage() for r in caplog.records)

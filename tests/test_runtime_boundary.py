@@ -141,3 +141,25 @@ def test_what_vllm_keeps_of_a_step():
     assert _kept(params(ignore_eos=True, stops=[7]), [1, 2, 7, 3], 0) == [1, 2, 7]  # a stop id does
     assert _kept(params(ignore_eos=True, stops=[7], max_tokens=4), [1, 7, 3], 2) == [1, 7]
     assert _kept(None, [1, 2], 0) == [1, 2]
+
+
+def test_where_vllm_would_end_a_request():
+    """What the plugin tells the runtime of a request's end, from vLLM's own SamplingParams: the
+    tokens it may still emit and the ids that end it (as `_kept` cuts them)."""
+    from vllm import SamplingParams
+
+    from controller.engines.vllm_hybrid import _end
+
+    def params(max_tokens=None, ignore_eos=False, stops=None, min_tokens=0):
+        p = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stops, min_tokens=min_tokens)
+        p.update_from_generation_config({"eos_token_id": 2}, eos_token_id=2)
+        return p
+
+    assert _end(params(max_tokens=10), 7) == (3, (2,))
+    assert _end(params(max_tokens=10), 12) == (0, (2,))
+    assert _end(params(max_tokens=None), 7)[0] is None  # vLLM fills in the model's length later
+    assert _end(params(max_tokens=10, ignore_eos=True), 0) == (10, ())  # the eos does not end it
+    assert _end(params(max_tokens=10, ignore_eos=True, stops=[7, 8]), 0) == (10, (7, 8))
+    room, stops = _end(params(max_tokens=10, stops=[7], min_tokens=5), 1)
+    assert room == 9 and set(stops) == {2, 7}  # short of min_tokens the target may not sample them
+    assert _end(None, 3) == (None, ())

@@ -115,11 +115,14 @@ def test_hybrid_is_lossless_at_batch_1_and_8(hybrid_run, plain_outputs):
 
 
 def test_hybrid_verified_cache_drafts_and_they_were_accepted(hybrid_run):
+    """...and no draft token past its request's last: every accepted token was output (vLLM cuts
+    what it samples past max_tokens; the request's last token is the bonus token's)."""
     stats = hybrid_run["runtime"].stats
     assert stats.decisions["cache"] > 0
     accepted = hybrid_run["after"]["vllm:spec_decode_num_accepted_tokens"] - hybrid_run["before"].get(
         "vllm:spec_decode_num_accepted_tokens", 0)
-    assert accepted > 0
+    assert accepted > 0 and accepted == stats.verified_accepted
+    assert stats.accepted_not_output == 0
 
 
 def test_the_allocator_cut_drafts_and_mixed_draft_lengths_in_one_batch(hybrid_run):

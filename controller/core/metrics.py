@@ -46,6 +46,8 @@ DEFAULT_MAX_TENANTS = 20
 OTHER_TENANT = "other"
 DRAFTERS = (DRAFTER_CACHE, DRAFTER_MODEL)
 STEP_PHASES = ("decode", "prefill")  # hvd_step_seconds' phase label
+# hvd_live_cost_ms' term label: predictor.decision.live_cost's coefficients (a, b, c, d, e), then its floor
+LIVE_COST_TERMS = ("base", "batch", "query_token", "drafter_call", "drafter_token", "floor_per_query_token")
 # hvd_step_seconds' buckets, 0.1 ms .. 2 s: HVD's part (0.1-1 ms), GPU steps (5-10 ms) and CPU steps
 # (20-200 ms) each fall across several buckets.
 STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
@@ -138,6 +140,15 @@ class HvdMetrics:
             "total = the whole step) and phase (decode: every request in the step decoded; prefill: the step "
             "held a prompt chunk); every step observes every part, zero included, so sum / count is the "
             "part's cost per step", ("part", "phase"), buckets=STEP_BUCKETS, registry=registry)
+        self.live_cost = Gauge(
+            "hvd_live_cost_ms", "The line the allocator prices this engine's steps with once it has fitted "
+            "its own step times (HVD_LIVE_COST), in ms per term: t = base + batch * running requests + "
+            "query_token * query tokens + drafter_call [model drafter called] + drafter_token * its draft "
+            "length, and floor_per_query_token, the compute floor (0: none); absent before the first fit",
+            ("term",), registry=registry, multiprocess_mode="mostrecent")
+        self.live_cost_steps = Gauge(
+            "hvd_live_cost_steps", "Decode steps the latest live cost fit used", registry=registry,
+            multiprocess_mode="mostrecent")
         # PARTS, then "total", per phase
         self._step_parts = {phase: tuple(self.step_time.labels(p, phase) for p in SUMMARY_PARTS)
                             for phase in STEP_PHASES}
@@ -284,6 +295,16 @@ class HvdMetrics:
                 child.observe(seconds)
         except Exception:
             self._failure("timing a step")
+
+    def live_cost_fit(self, coefficients: Sequence[float], floor_ms_per_token: float, steps: int) -> None:
+        """The live cost fit the allocator now prices with (LiveFit's coefficients, in LIVE_COST_TERMS'
+        order, and its floor)."""
+        try:
+            for term, value in zip(LIVE_COST_TERMS, (*coefficients, floor_ms_per_token), strict=True):
+                self.live_cost.labels(term).set(value)
+            self.live_cost_steps.set(steps)
+        except Exception:
+            self._failure("publishing the live cost fit")
 
     def versions(self, champion: int | None, by_workload: Mapping[str, int | None]) -> None:
         """The predictor versions now serving: the champion and each workload's (0 for none)."""

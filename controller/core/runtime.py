@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from controller.core import request_end
 from controller.core.decision import (CACHE, MODEL, NONE, OFF_CACHE, OFF_MODEL, SOURCE_NAMES, DecisionConfig, decide,
                                       effective_rule, fallback_sources, rule_thresholds)
 from controller.core.events import DRAFTER_CACHE, DRAFTER_MODEL, EventQueue, LabelledEvent, quick_init
@@ -80,6 +81,13 @@ class RequestInput:
     # The output is the verifying model's own (live traffic, a trace the engine recorded), not text
     # another model wrote: DraftContext.on_policy. Read, like the prompt, when the request is first seen.
     on_policy: bool = False
+    # Where the request can end, as the engine would end it: the output tokens it may still emit
+    # after `new_tokens` (its max_tokens less its output; None: no limit known), and the token ids
+    # that would end it if emitted next (its eos and stop ids; empty under ignore_eos or before
+    # min_tokens). A draft token past either cannot be output, and the request's last token comes
+    # free as the step's bonus token: the plan verifies none of them (`useful_lengths`).
+    room: int | None = None
+    stops: Sequence[int] = ()
 
     _TOKEN_FIELDS = ("new_tokens", "prompt", "continuation")
 
@@ -174,6 +182,7 @@ class _Scored:
     predicted: np.ndarray  # float32 per request: its cache draft's expected accepted length (NaN: none)
     curves: np.ndarray | None  # per request: its cache draft's survival curve (the allocator only)
     length_list: list[int]  # `lengths` as a list
+    model_room: list[int] | None = None  # per request: the longest model draft it can output (None: any)
 
 
 @quick_init
@@ -352,13 +361,16 @@ class Runtime:
         main = [main_row[i] for i in has_row]
         allocating = snap.rule == "allocator"
         x, row_pred, row_curves = self._predict(snap, ob.rows, curves=allocating)
-        length_list = [len(contexts[r].draft.token_ids) if r >= 0 else 0 for r in main_row]
+        useful = _useful_lengths(inputs, ob.rows, main_row)  # None unless an engine says where requests end
+        length_list = useful or [len(contexts[r].draft.token_ids) if r >= 0 else 0 for r in main_row]
         lengths = np.array(length_list, dtype=np.int64)
         pred = row_pred.tolist()  # float32 values (float64 with calibration): stored below as float32
         predicted = np.array([pred[r] if r >= 0 else np.nan for r in main_row], dtype=np.float32)
         known = _known_lengths(inputs, ob.rows, main_row)  # None unless a replay engine serves a perfect predictor
         if known is not None:
             predicted = np.where(np.isnan(known), predicted, known).astype(np.float32)
+        if useful is not None:
+            predicted = np.minimum(predicted, lengths).astype(np.float32)  # NaN stays NaN
         curves = None
         if allocating:
             if n == 1 and main and known is None and row_curves.dtype == np.float32:
@@ -372,7 +384,11 @@ class Runtime:
             if known is not None:
                 sure = ~np.isnan(known)
                 curves[sure] = known_survival(known[sure], curves.shape[1])
-        return _Scored(x, row_pred, lengths, predicted, curves, length_list)
+        model_room = None
+        if any(inp.room is not None for inp in inputs):
+            k_max = self.model_curves.k_max
+            model_room = [request_end.model_room(inp.room, k_max) for inp in inputs]
+        return _Scored(x, row_pred, lengths, predicted, curves, length_list, model_room)
 
     def _plan(self, snap: ServingSnapshot, ob: _Observed, sc: _Scored, now: float) -> _Planned:
         """The rule the snapshot serves with decides what each request verifies."""
@@ -473,6 +489,9 @@ class Runtime:
         """Refuse a bad request before the step changes anything."""
         if inp.verified is not None and inp.verified < 0:
             raise RequestInputError(f"request {inp.req_id!r}: verified must be >= 0, got {inp.verified}")
+        if inp.room is not None and (isinstance(inp.room, bool) or not isinstance(inp.room, (int, np.integer))
+                                     or inp.room < 0):
+            raise RequestInputError(f"request {inp.req_id!r}: room must be an int >= 0 or None, got {inp.room!r}")
         if inp.req_id in self.requests:
             return
         if inp.prompt is None:
@@ -658,13 +677,16 @@ class Runtime:
         curves, predicted, lengths, has_list = sc.curves, sc.predicted, sc.lengths, [k > 0 for k in sc.length_list]
         if n == 1 and d.fixed_tau is None and not len(snap.controls.overrides):  # batch 1: in plain values
             length = sc.length_list[0]
-            one = allocate_one(curves.tolist()[0], length,
-                               self.model_curves.curve(workload[0]).tolist() if d.model_drafting(1) else [],
-                               d.cost, AUTO if allowed[0] else FORCE_NONE)
+            model_curve = self.model_curves.curve(workload[0]).tolist() if d.model_drafting(1) else []
+            if sc.model_room is not None:
+                model_curve = model_curve[: sc.model_room[0]]
+            one = allocate_one(curves.tolist()[0], length, model_curve, d.cost, AUTO if allowed[0] else FORCE_NONE)
             tau = one.tau if length > 0 else np.nan
             return _Planned(np.array([one.source], dtype=np.int8), [one.length], one.model_k,
                             np.array([tau], dtype=np.float32), [tau])
         model = self.model_curves.curves(workload) if d.model_drafting(n) else np.zeros((n, 0))
+        if sc.model_room is not None and model.shape[1]:  # a model draft token it cannot output is worth nothing
+            model = np.where(np.arange(model.shape[1]) < np.array(sc.model_room)[:, None], model, 0.0)
         if d.fixed_tau is None:
             mode_list = [AUTO if a else FORCE_NONE for a in allowed]
             mode = np.array(mode_list, dtype=np.int8)
@@ -805,6 +827,19 @@ def _resolve_overrides(controls: Controls, states: Sequence[RequestState], auto_
     taus = auto_tau.tolist()
     for i in np.flatnonzero(allowed).tolist():
         yield i, resolve(states[i].tenant, states[i].workload, float(taus[i]), float(taus[i]), at)
+
+
+def _useful_lengths(inputs: Sequence[RequestInput], rows: "_StepDrafts", main_row: list[int]) -> list[int] | None:
+    """Each request's cache draft's length cut to the tokens it can still output (0: none); None
+    when no input says where its request can end (then every draft is whole)."""
+    for inp in inputs:
+        if inp.room is not None or len(inp.stops):
+            break
+    else:
+        return None
+    contexts = rows.contexts
+    return [request_end.useful_length(contexts[r].draft.token_ids, inp.room, inp.stops) if r >= 0 else 0
+            for inp, r in zip(inputs, main_row)]
 
 
 def _known_lengths(inputs: Sequence[RequestInput], rows: "_StepDrafts", main_row: np.ndarray) -> np.ndarray | None:

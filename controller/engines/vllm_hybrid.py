@@ -208,9 +208,12 @@ class HybridState:
             meta = self._metadata(runner, req_id)
             first = req_id not in known
             emitted = 0 if first else known[req_id].hindsight.output_len
-            new = _kept(_sampling_params(runner, req_id), valid[i], emitted)
+            params = _sampling_params(runner, req_id)
+            new = _kept(params, valid[i], emitted)
+            room, stops = _end(params, emitted + len(new))
             prompt = ib.token_ids_cpu[i, : int(ib.num_prompt_tokens[i])].copy() if first else None
             inputs.append(RequestInput(req_id, new, prompt, tenant=meta.tenant, workload=meta.workload,
+                                       room=room, stops=stops,
                                        speculate=meta.speculate, verified=_verified(scheduled.get(req_id)),
                                        sampled=len(valid[i]) if len(new) != len(valid[i]) else None,
                                        on_policy=self.settings.on_policy,
@@ -274,6 +277,8 @@ class HybridState:
         compute floor comes or goes (a refit every 200 steps would flood it)."""
         fit = self.live_cost.current
         self.runtime.set_cost(self.live_cost.profile(f"live-{self.stack.writer.replica}"))
+        if self.metrics is not None:
+            self.metrics.live_cost_fit(fit.coefficients, fit.floor_ms_per_token, fit.samples)
         floored = fit.floor_ms_per_token > 0
         if floored != self._live_floored:
             log.info("HVD prices steps with this engine's own step times (%d steps): %s", fit.samples, fit.formula())
@@ -322,6 +327,18 @@ def _kept(params, tokens: list[int], output_len: int) -> list[int]:
             keep = j + 1
             break
     return tokens if keep == len(tokens) else tokens[:keep]
+
+
+def _end(params, output_len: int) -> tuple[int | None, tuple[int, ...]]:
+    """Where vLLM would end a request that has emitted `output_len` tokens, as `check_stop` does
+    (see `_kept`): the tokens it may still emit (None: no max_tokens), and the ids that end it when
+    emitted. Short of min_tokens they would not, but there vLLM's min-tokens processor forbids the
+    target to sample them, so a drafted one is rejected: what follows it cannot be output either."""
+    if params is None:
+        return None, ()
+    room = None if params.max_tokens is None else max(0, params.max_tokens - output_len)
+    eos, stops = params.eos_token_id, params.stop_token_ids or ()
+    return room, (*stops, eos) if eos is not None else tuple(stops)
 
 
 def _sampling_params(runner, req_id: str):
