@@ -117,6 +117,7 @@ test-fast: setup
 # bench/eagle3_train_step.py: an EAGLE3 training step with the trainer's kernels against HVD's exact cheaper ones.
 # bench/vllm_methods.py: every method in its own process, interleaved, with and without the CPU preload;
 # then once more through OpenAI servers (`hvd serve` for hvd, vLLM's own for the baselines) and the openai client.
+# bench/request_end.py: HVD's exact counts with the plan cut at each request's end and with whole drafts.
 bench: setup
 	$(PY) bench/run.py
 	$(PY) bench/runtime_step.py --json var/bench-runtime-step.json
@@ -134,6 +135,7 @@ bench: setup
 	$(HVD) --db $(DB) versions | grep -q '^\*' || $(HVD) --db $(DB) warmstart
 	HVD_DATABASE_URL=$(DB) $(PY) bench/vllm_methods.py --json var/bench-methods.json
 	HVD_DATABASE_URL=$(DB) $(PY) bench/vllm_methods.py --server --json var/bench-server.json
+	HVD_DATABASE_URL=$(DB) $(PY) bench/request_end.py
 	HVD_DATABASE_URL=$(DB) $(PY) bench/replay_agreement.py --json var/bench-agreement.json
 	$(MAKE) scenario-unseen
 

@@ -280,10 +280,10 @@ def live_cost_line(page: str) -> dict[str, float] | None:
 
 def priced_per_1k(run: SpecRun, line: Mapping[str, float], decision_ms: float) -> float | None:
     """Seconds per 1000 decoded tokens (after each request's first) that a served run's exact counts
-    cost at concurrency 1, priced with one
-    engine's fitted line (`live_cost_line`): every decode step its fixed cost at batch 1, every
-    query token (the step's own and each verified draft token) its slope, and HVD's own time per
-    step (its decision and its model drafter: `step_ms` hvd + drafter) where the run has it.
+    cost at concurrency 1, priced with one engine's fitted line (`live_cost_line`): every decode step
+    its fixed cost at batch 1, every query token (the step's own and each verified draft token) its
+    slope, and HVD's own time per step (its decision and its model drafter: `step_ms` hvd + drafter)
+    where the run has it.
 
     Why: on these shared cores the same work timed on two servers differs by 10-20% from pass to
     pass, while the counts are identical; this prices the counts alone. `decision_ms` is the

@@ -7,8 +7,8 @@ deterministic and the outputs token-identical: the difference is the drafts alon
 in its own process (a fresh engine and suffix cache); counts per 1000 output tokens: the target
 forwards (steps, each request's prefill included), the draft tokens verified, those the requests
 kept, the rest (rejected, or accepted past the request's end and cut by vLLM's scheduler), and of
-them the accepted-but-cut.
-The champion comes from HVD_DATABASE_URL (default var/hvd.db).
+them the accepted-but-cut. The champion comes from HVD_DATABASE_URL (default var/hvd.db); whole
+drafts are the plugin with its `_end` replaced by one that knows no end, as before.
 
     python bench/request_end.py [--per-workload 4] [--max-tokens 128] [--batch 1]
 """

@@ -34,6 +34,9 @@ which weighs each request by the time it decodes: at concurrency 1 the server's 
 Each served method also gets its server's CPU seconds per 1000 output tokens by process role (the
 API server, vLLM's engine core and worker, HVD's own threads: bench/process_cpu.py) and, from HVD's
 servers, the mean decode step by part (hvd_step_seconds{phase="decode"}: target, hvd, drafter, rest).
+At concurrency 1 every method's exact counts are also priced with the line HVD's server fitted to its
+own steps (hvd_live_cost_ms; measure.priced_per_1k): identical counts, where the timed rates move
+10-20% from server to server.
 
     python bench/vllm_methods.py [--batches 1 8] [--reps 3] [--max-tokens 192] [--per-workload 8]
     python bench/vllm_methods.py --server [--concurrency 1 8] [--reps 3] [--warmup 4]

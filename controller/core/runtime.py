@@ -83,9 +83,9 @@ class RequestInput:
     on_policy: bool = False
     # Where the request can end, as the engine would end it: the output tokens it may still emit
     # after `new_tokens` (its max_tokens less its output; None: no limit known), and the token ids
-    # that would end it if emitted next (its eos and stop ids; empty under ignore_eos or before
-    # min_tokens). A draft token past either cannot be output, and the request's last token comes
-    # free as the step's bonus token: the plan verifies none of them (`useful_lengths`).
+    # that end it when emitted (its eos unless ignore_eos, its stop ids). A draft token past either
+    # cannot be output, and the request's last token comes free as the step's bonus token: the plan
+    # verifies none of them (`_useful_lengths`, controller.core.request_end).
     room: int | None = None
     stops: Sequence[int] = ()
 
