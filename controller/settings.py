@@ -101,6 +101,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "a measurement, not a serving mode: a file HVD_RECORD wrote of the same prompts; each cache draft is "
             "planned with its true accepted length, read from the recorded output (the served upper bound of a "
             "better predictor)"),
+    Setting("HVD_STEP_LOG", text, None,
+            "write every engine step HVD timed as a JSON line to this .jsonl file (phase, running requests, query "
+            "tokens, model draft length, each part's ms: what the live cost fit is fitted to, step by step)"),
     Setting("HVD_METRICS_MAX_TENANTS", positive_int, 20,
             "tenants the hvd_* Prometheus metrics name (the first seen); later ones are counted as \"other\""),
     Setting("HVD_TOKENIZER", text, None, "tokenizer.json (or its folder) of the trace tokenizer"),
@@ -146,6 +149,7 @@ class ServingSettings:
     record: str | None
     record_max_requests: int
     oracle: str | None
+    step_log: str | None
     metrics_max_tenants: int
 
     @classmethod

@@ -22,7 +22,7 @@ def test_defaults():
         database_url=None, fallback=None, model_draft_len=3, cost_profile="cpu-smollm2", live_cost=True, live_cost_floor=False,
         drafter_profile="eagle3-smollm2", max_running=None, backoff="none", fixed_tau=None, rule="allocator",
         on_policy=True, eagle_warm=False, default_workload="chat", default_tenant="default", learn=False, record=None,
-        record_max_requests=10000, oracle=None,
+        record_max_requests=10000, oracle=None, step_log=None,
         metrics_max_tenants=20)
 
 

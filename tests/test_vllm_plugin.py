@@ -87,6 +87,8 @@ def hybrid_run(prompts, plain_outputs, database, tmp_path_factory):
     os.environ["HVD_DATABASE_URL"] = database
     recorded = tmp_path_factory.mktemp("record") / "served.jsonl"
     os.environ["HVD_RECORD"] = str(recorded)
+    steps = tmp_path_factory.mktemp("steps") / "steps.jsonl"
+    os.environ["HVD_STEP_LOG"] = str(steps)
     # priced with the bundled profile, not the live fit of this run's step times: the plans (which k,
     # which prefixes) then do not depend on how fast the machine ran
     os.environ["HVD_LIVE_COST"] = "0"
@@ -100,10 +102,11 @@ def hybrid_run(prompts, plain_outputs, database, tmp_path_factory):
         vllm_plugin.flush()
         runtime = vllm_plugin.runtimes()[-1]
         yield {"outputs": outputs, "before": before, "after": after, "runtime": runtime, "recorded": recorded,
-               "llm": llm}
+               "llm": llm, "steps": steps}
     finally:
         os.environ.pop(vllm_plugin.ENV_ENABLE, None)
         os.environ.pop("HVD_RECORD", None)
+        os.environ.pop("HVD_STEP_LOG", None)
         os.environ.pop("HVD_LIVE_COST", None)
         del llm
         gc.collect()
@@ -123,6 +126,22 @@ def test_hybrid_verified_cache_drafts_and_they_were_accepted(hybrid_run):
         "vllm:spec_decode_num_accepted_tokens", 0)
     assert accepted > 0 and accepted == stats.verified_accepted
     assert stats.accepted_not_output == 0
+
+
+def test_every_timed_step_is_logged_with_what_it_verified(hybrid_run):
+    """HVD_STEP_LOG: a line per step the plugin timed, its parts adding up to the step; the model
+    drafter's steps carry its k and its time; batches of 8 and long verified drafts are there."""
+    import json
+
+    lines = [json.loads(line) for line in hybrid_run["steps"].read_text().splitlines()]
+    decode = [x for x in lines if x["phase"] == "decode"]
+    assert decode and {x["phase"] for x in lines} <= {"decode", "prefill"}
+    for x in lines:
+        assert 1 <= x["batch"] <= 8 and x["query_tokens"] >= x["batch"] and 0 <= x["model_k"] <= 3
+        assert x["total_ms"] == pytest.approx(x["target_ms"] + x["hvd_ms"] + x["drafter_ms"] + x["rest_ms"], abs=1e-3)
+    model = [x for x in decode if x["model_k"] > 0]
+    assert model and all(x["drafter_ms"] > 0 for x in model)
+    assert max(x["batch"] for x in decode) > 1 and max(x["query_tokens"] - x["batch"] for x in decode) > 1
 
 
 def test_the_allocator_cut_drafts_and_mixed_draft_lengths_in_one_batch(hybrid_run):

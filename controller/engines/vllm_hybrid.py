@@ -30,6 +30,7 @@ from controller.engines.served_oracle import OracleFileError, ServedOracle, reco
 from controller.engines.vllm_step_clock import StepClock
 from controller.services.live_cost_fitter import follow
 from controller.services.stack import ServiceStack, decision_config
+from controller.services.step_log import StepLog
 from controller.services.trace_recorder import ServedRequest, TraceRecorder
 from controller.settings import ServingSettings, SettingsError
 from predictor.data.tokens import TraceTokenizer
@@ -143,6 +144,8 @@ class HybridState:
             self.recorder = TraceRecorder(settings.record, tokenizer, replica=self.stack.writer.replica,
                                           model=str(runner.model_config.served_model_name or runner.model_config.model),
                                           max_requests=settings.record_max_requests).start()
+        self.step_log = StepLog(settings.step_log).start() if settings.step_log else None
+        self.files = [f for f in (self.recorder, self.step_log) if f is not None]  # what writes files, not SQL
         log.info("HVD hybrid drafter on: predictor v%s, rule %s, fallback %s, K_MAX %d", self.runtime.version_id,
                  self.runtime.rule, fallback, self.k_max)
 
@@ -263,6 +266,8 @@ class HybridState:
                 self.metrics.step_seconds(t, step.decode)
             if self.stack.step_costs is not None:
                 self.stack.step_costs.add(t)
+            if self.step_log is not None:
+                self.step_log.add((t, step.decode))
             if self.live_cost is not None:
                 sample = StepSample(t.batch, t.query_tokens, t.model_k, t.total) if step.decode else None
                 if follow(self.live_cost, self.stack.live_cost, sample) is not None:

@@ -209,8 +209,9 @@ def runtimes() -> list["Runtime"]:
 
 
 def flush() -> bool:
-    """Write every queued event and statistic to SQL now (tests; at exit the stacks stop and drain)."""
-    return all([s.stack.flush() and (s.recorder is None or s.recorder.flush()) for s in _STATES])
+    """Write every queued event and statistic to SQL, and what HVD_RECORD and HVD_STEP_LOG hold to their
+    files, now (tests; at exit the stacks stop and drain)."""
+    return all([s.stack.flush() and all(f.flush() for f in s.files) for s in _STATES])
 
 
 def _state(runner) -> "HybridState | None":
@@ -249,7 +250,7 @@ def _drain_when_this_process_ends() -> None:
 
 @atexit.register
 def drain_process() -> None:
-    """Finish the held requests, stop the recorder, drain the services and store the tally, once per
+    """Finish the held requests, stop the file writers (HVD_RECORD, HVD_STEP_LOG), drain the services and store the tally, once per
     process: the process is ending (atexit and multiprocessing's finalizers both call it; a host
     that replaced the streams HVD logs to may call it first, while they are open). vLLM gives a
     worker VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5 s) to end before it signals it."""
@@ -261,8 +262,8 @@ def drain_process() -> None:
     except Exception:  # the exit goes on: what is queued still drains
         logging.getLogger("hvd.vllm").exception("HVD: finishing the held requests at exit failed")
     for s in _STATES:
-        if s.recorder is not None:
-            s.recorder.stop(5.0)
+        for f in s.files:
+            f.stop(5.0)
         s.stack.shutdown(10.0)  # stop admitting, drain, log and store the tally (lost events: a warning)
     if _STATES:
         from controller.core.metrics import mark_process_dead
