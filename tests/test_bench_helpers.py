@@ -18,10 +18,12 @@ import eagle_agreement  # noqa: E402
 import eagle_overhead  # noqa: E402
 import measure  # noqa: E402
 import process_cpu  # noqa: E402
+import step_log  # noqa: E402
 import vllm_methods  # noqa: E402
 
 from controller.cli import serve_vllm  # noqa: E402
 from controller.engines import vllm_engine as ve  # noqa: E402
+from predictor.decision.profiles import cost_profiles  # noqa: E402
 
 
 @given(st.lists(st.integers(), min_size=1, max_size=8, unique=True), st.integers(1, 10))
@@ -475,3 +477,36 @@ def test_a_served_runs_requests_survive_its_json():
                           requests=[("sql", 19, 0.5), ("agentic", 19, 0.25)])
     back = measure.SpecRun(**json.loads(json.dumps(run.to_dict())))
     assert [tuple(r) for r in back.requests] == run.requests and back.figures() == run.figures()
+
+
+def test_the_step_log_is_read_binned_and_priced_with_the_fit_of_its_steps(tmp_path, monkeypatch, capsys):
+    from controller.core.step_costs import StepTiming
+    from controller.services.step_log import StepLog
+
+    log = StepLog(tmp_path / "steps.jsonl")
+    rng = np.random.default_rng(0)
+    for i in range(200):  # t = 40 + 1 ms a query token, + 8 ms when the drafter runs (k 1..3)
+        q, k = int(rng.integers(1, 25)), int(rng.integers(0, 4)) * (i % 3 == 0)
+        total = (40.0 + q + (8.0 if k else 0.0)) / 1000
+        log.add((StepTiming.of(1.7e9 + i, 1, q, k, target=total - 0.001, hvd=0.001, drafter=0.0, rest=0.0), True))
+    log.add((StepTiming.of(1.7e9, 1, 600, 0, target=0.3, hvd=0.001, drafter=0.0, rest=0.0), False))  # a prefill
+    assert log.flush()
+    steps = step_log.read_steps(tmp_path / "steps.jsonl")
+    assert len(steps) == 200 and all(s["query_tokens"] < 600 for s in steps)
+    fit = step_log.fit_steps(steps, cost_profiles()["cpu-smollm2"])
+    assert fit.predict_ms(1, 10, 0) == pytest.approx(50.0, abs=0.5)  # the steps' own line, not the prior's
+    # the drafter's 8 ms, on average over the steps that ran it: most of the way from the prior's price
+    # (the fit's ridge pull toward the prior holds back a direction ~70 drafter steps identify weakly)
+    prior = cost_profiles()["cpu-smollm2"]
+    ks = [s["model_k"] for s in steps if s["model_k"]]
+    fitted = np.mean([fit.predict_ms(1, 10, k) - fit.predict_ms(1, 10, 0) for k in ks])
+    assumed = np.mean([prior.step_ms(1, 10, k) - prior.step_ms(1, 10, 0) for k in ks])
+    assert abs(fitted - 8.0) < 1.5 and abs(fitted - 8.0) < abs(assumed - 8.0) / 2
+    monkeypatch.setattr("sys.argv", ["step_log.py", str(tmp_path / "steps.jsonl")])
+    step_log.main()
+    out = capsys.readouterr().out
+    assert "200 decode steps; the live fit of them all: t = " in out and "without the model drafter: " in out
+    assert "with it (its k > 0): " in out
+    (tmp_path / "bad.jsonl").write_text('{"phase": "decode", "batch": 1}\n')
+    with pytest.raises(SystemExit, match="bad.jsonl:1: not a step line of HVD_STEP_LOG"):
+        step_log.read_steps(tmp_path / "bad.jsonl")
