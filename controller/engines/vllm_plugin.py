@@ -250,8 +250,8 @@ def _drain_when_this_process_ends() -> None:
 
 @atexit.register
 def drain_process() -> None:
-    """Finish the held requests, stop the file writers (HVD_RECORD, HVD_STEP_LOG), drain the services and store the tally, once per
-    process: the process is ending (atexit and multiprocessing's finalizers both call it; a host
+    """Finish the held requests, stop the file writers (HVD_RECORD, HVD_STEP_LOG), drain the services
+    and store the tally, once per process: the process is ending (atexit and multiprocessing's finalizers both call it; a host
     that replaced the streams HVD logs to may call it first, while they are open). vLLM gives a
     worker VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5 s) to end before it signals it."""
     if os.getpid() in _DRAINED:
