@@ -85,7 +85,7 @@ class RequestInput:
     # after `new_tokens` (its max_tokens less its output; None: no limit known), and the token ids
     # that end it when emitted (its eos unless ignore_eos, its stop ids). A draft token past either
     # cannot be output, and the request's last token comes free as the step's bonus token: the plan
-    # verifies none of them (`_useful_lengths`, controller.core.request_end).
+    # verifies none of them (`_request_ends`, controller.core.request_end).
     room: int | None = None
     stops: Sequence[int] = ()
 
@@ -361,7 +361,8 @@ class Runtime:
         main = [main_row[i] for i in has_row]
         allocating = snap.rule == "allocator"
         x, row_pred, row_curves = self._predict(snap, ob.rows, curves=allocating)
-        useful = _useful_lengths(inputs, ob.rows, main_row)  # None unless an engine says where requests end
+        # None unless an engine says where its requests end
+        useful, model_room = _request_ends(inputs, ob.rows, main_row, self.model_curves.k_max)
         length_list = useful or [len(contexts[r].draft.token_ids) if r >= 0 else 0 for r in main_row]
         lengths = np.array(length_list, dtype=np.int64)
         pred = row_pred.tolist()  # float32 values (float64 with calibration): stored below as float32
@@ -384,10 +385,6 @@ class Runtime:
             if known is not None:
                 sure = ~np.isnan(known)
                 curves[sure] = known_survival(known[sure], curves.shape[1])
-        model_room = None
-        if any(inp.room is not None for inp in inputs):
-            k_max = self.model_curves.k_max
-            model_room = [request_end.model_room(inp.room, k_max) for inp in inputs]
         return _Scored(x, row_pred, lengths, predicted, curves, length_list, model_room)
 
     def _plan(self, snap: ServingSnapshot, ob: _Observed, sc: _Scored, now: float) -> _Planned:
@@ -829,17 +826,17 @@ def _resolve_overrides(controls: Controls, states: Sequence[RequestState], auto_
         yield i, resolve(states[i].tenant, states[i].workload, float(taus[i]), float(taus[i]), at)
 
 
-def _useful_lengths(inputs: Sequence[RequestInput], rows: "_StepDrafts", main_row: list[int]) -> list[int] | None:
-    """Each request's cache draft's length cut to the tokens it can still output (0: none); None
-    when no input says where its request can end (then every draft is whole)."""
-    for inp in inputs:
-        if inp.room is not None or len(inp.stops):
-            break
-    else:
-        return None
+def _request_ends(inputs: Sequence[RequestInput], rows: "_StepDrafts", main_row: list[int],
+                  k_max: int) -> tuple[list[int] | None, list[int] | None]:
+    """Each request's cache draft's length cut to the tokens it can still output (0: none), and the
+    longest model draft it can output; (None, None) when no input says where its request can end
+    (then every draft is whole)."""
+    if not any(inp.room is not None or len(inp.stops) for inp in inputs):
+        return None, None
     contexts = rows.contexts
-    return [request_end.useful_length(contexts[r].draft.token_ids, inp.room, inp.stops) if r >= 0 else 0
-            for inp, r in zip(inputs, main_row)]
+    useful = [request_end.useful_length(contexts[r].draft.token_ids, inp.room, inp.stops) if r >= 0 else 0
+              for inp, r in zip(inputs, main_row)]
+    return useful, [request_end.model_room(inp.room, k_max) for inp in inputs]
 
 
 def _known_lengths(inputs: Sequence[RequestInput], rows: "_StepDrafts", main_row: np.ndarray) -> np.ndarray | None:
